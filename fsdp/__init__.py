@@ -1,0 +1,11 @@
+"""fsdp: fully sharded data parallel training for PyTorch, in the fairscale style.
+
+Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the design.
+"""
+
+from fsdp.api import ProcessGroupName, TrainingState
+from fsdp.fully_sharded import FSDP, FullyShardedDataParallel
+
+__all__ = ["FSDP", "FullyShardedDataParallel", "ProcessGroupName", "TrainingState"]
+
+__version__ = "0.1.0"

@@ -1,0 +1,156 @@
+"""Public configuration types and the validated config objects the wrapper is built from.
+
+The fairscale-style constructor takes ~20 keyword arguments. They are folded here into a few
+frozen dataclasses that validate themselves, so the rest of the library reads one coherent
+config instead of loose flags that only make sense together.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommConfig",
+    "FSDPConfig",
+    "MemoryState",
+    "PrecisionConfig",
+    "ProcessGroupName",
+    "ShardingConfig",
+    "StateDictConfig",
+    "TrainingState",
+]
+
+
+class TrainingState(enum.Enum):
+    """Where a wrapper is in the training step; asserted at the entry of every hook.
+
+    IDLE -> FORWARD -> IDLE (between forward and backward) -> BACKWARD_PRE -> BACKWARD_POST -> IDLE
+    (reset by the root's end-of-backward callback). SUMMON_FULL_PARAMS holds while the user sees
+    full parameters.
+    """
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+class MemoryState(enum.Enum):
+    """Which tensor a flat parameter's ``.data`` is. See [Note: flat parameter data]."""
+
+    SHARDED = enum.auto()
+    UNSHARDED = enum.auto()
+
+
+class ProcessGroupName(str, enum.Enum):
+    """Names of process groups the wrapper may create for itself (fairscale-compatible).
+
+    ``reduce_scatter`` (the default of ``process_group_reduce_scatter``) gives reductions a group
+    of their own, with the same ranks as ``process_group``, so that they can run concurrently with
+    all-gathers; ``default`` reuses ``process_group``.
+    """
+
+    default = "default"
+    reduce_scatter = "reduce_scatter"
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"FullyShardedDataParallel: `{name}` must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How parameters are laid out and when full parameters are freed."""
+
+    reshard_after_forward: bool = True
+    disable_reshard_on_root: bool = True
+    flatten_parameters: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("reshard_after_forward", "disable_reshard_on_root", "flatten_parameters"):
+            _check_bool(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Dtypes of compute, buffers and reductions. Only full precision is built so far."""
+
+    compute_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    force_input_to_fp32: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool("force_input_to_fp32", self.force_input_to_fp32)
+        for name in ("compute_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"FullyShardedDataParallel: `{name}` must be a torch.dtype or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Process groups and gradient reduction arithmetic.
+
+    ``gradient_predivide_factor`` divides gradients before the reduction and
+    ``gradient_postdivide_factor`` after it; their product is the world size, so the result is the
+    mean over ranks while the summed values stay small (fp16 overflow at large world sizes).
+    """
+
+    process_group: dist.ProcessGroup
+    process_group_reduce_scatter: dist.ProcessGroup
+    world_size: int
+    rank: int
+    bucket_cap_mb: float
+    gradient_predivide_factor: float
+    gradient_postdivide_factor: float
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb < 0:
+            raise ValueError(f"FullyShardedDataParallel: `bucket_cap_mb` must be >= 0, got {self.bucket_cap_mb}")
+        for name in ("gradient_predivide_factor", "gradient_postdivide_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"FullyShardedDataParallel: `{name}` must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StateDictConfig:
+    """Where full state dict values go and who receives them."""
+
+    state_dict_device: torch.device | None = None
+    state_dict_on_rank_0_only: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool("state_dict_on_rank_0_only", self.state_dict_on_rank_0_only)
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """Everything a wrapper was configured with, validated once at construction."""
+
+    sharding: ShardingConfig
+    precision: PrecisionConfig
+    comm: CommConfig
+    state_dict: StateDictConfig
+    compute_device: torch.device
+    no_broadcast_optim_state: bool = False
+    allow_reset_parameters: bool = False
+    verbose: bool = False
+
+
+def default_gradient_predivide_factor(world_size: int) -> float:
+    """The smallest power of two ``f`` that divides ``world_size`` with ``f * f >= world_size``.
+
+    Stops early at an ``f`` that no longer divides the world size (e.g. 2 for 3 ranks), exactly as
+    fairscale chooses it. Examples: 1 -> 1, 2 -> 2, 4 -> 2, 8 -> 4, 16 -> 4, 3 -> 2.
+    """
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)

@@ -1,0 +1,178 @@
+"""Typed, asynchronous wrappers around the torch.distributed collectives the library uses.
+
+Every function launches its collective with ``async_op=True`` and returns a :class:`Pending`
+that the caller waits on. Size and offset math lives in :mod:`fsdp.sharding`; this module only
+checks shapes and talks to torch.distributed. It is also the one place that picks between the
+torch 2.13 names (``all_gather_single`` / ``reduce_scatter_single``) and the older ones
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor``), and that counts calls and bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveKind",
+    "CommStats",
+    "Pending",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "get_process_group_cached",
+    "reduce_scatter",
+]
+
+_all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveKind(str, enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+
+
+@dataclass
+class CommStats:
+    """Calls, elements and bytes per collective kind since the last :meth:`reset`.
+
+    ``numel`` and ``bytes`` count the collective's full (unsharded) tensor: the all-gather output,
+    the reduce-scatter input, the all-reduced or broadcast tensor. ``dtypes`` records which element
+    types went over the wire.
+    """
+
+    calls: dict[CollectiveKind, int] = field(default_factory=dict)
+    numel: dict[CollectiveKind, int] = field(default_factory=dict)
+    bytes: dict[CollectiveKind, int] = field(default_factory=dict)
+    dtypes: dict[CollectiveKind, set[torch.dtype]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, kind: CollectiveKind, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.numel[kind] = self.numel.get(kind, 0) + tensor.numel()
+            self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+            self.dtypes.setdefault(kind, set()).add(tensor.dtype)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.numel.clear()
+            self.bytes.clear()
+            self.dtypes.clear()
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {
+                kind.value: {
+                    "calls": self.calls.get(kind, 0),
+                    "numel": self.numel.get(kind, 0),
+                    "bytes": self.bytes.get(kind, 0),
+                    "dtypes": sorted(str(d) for d in self.dtypes.get(kind, set())),
+                }
+                for kind in CollectiveKind
+            }
+
+
+@dataclass
+class Pending:
+    """A launched collective. ``wait()`` blocks (CPU) or orders the current stream (CUDA) after it.
+
+    ``keep_alive`` holds tensors the collective reads or writes, so that their memory cannot be
+    reused before the collective finished (no reliance on ``record_stream``).
+    """
+
+    work: Any
+    output: torch.Tensor
+    keep_alive: tuple[torch.Tensor, ...] = ()
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.keep_alive = ()
+        return self.output
+
+
+def _size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+               stats: CommStats | None = None) -> Pending:
+    """Gather every rank's ``shard`` into ``output`` (rank order). ``output.numel() == N * shard.numel()``."""
+    n = _size(group)
+    if output.numel() != n * shard.numel() or output.dtype != shard.dtype:
+        raise AssertionError(f"all_gather: output {tuple(output.shape)}/{output.dtype} does not hold {n} x "
+                             f"{tuple(shard.shape)}/{shard.dtype}")
+    if stats is not None:
+        stats.record(CollectiveKind.ALL_GATHER, output)
+    if n == 1:
+        output.copy_(shard.view_as(output))
+        return Pending(None, output)
+    work = _all_gather_fn(output, shard, group=group, async_op=True)
+    return Pending(work, output, (shard,))
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+                   stats: CommStats | None = None) -> Pending:
+    """Sum ``full`` over ranks and leave chunk ``rank`` of the sum in ``output``."""
+    n = _size(group)
+    if full.numel() != n * output.numel() or output.dtype != full.dtype:
+        raise AssertionError(f"reduce_scatter: input {tuple(full.shape)}/{full.dtype} is not {n} x "
+                             f"{tuple(output.shape)}/{output.dtype}")
+    if stats is not None:
+        stats.record(CollectiveKind.REDUCE_SCATTER, full)
+    if n == 1:
+        output.copy_(full.view_as(output))
+        return Pending(None, output)
+    work = _reduce_scatter_fn(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, output, (full,))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM,
+               stats: CommStats | None = None) -> Pending:
+    """Reduce ``tensor`` in place over the group."""
+    if stats is not None:
+        stats.record(CollectiveKind.ALL_REDUCE, tensor)
+    if _size(group) == 1:
+        return Pending(None, tensor)
+    return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor)
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup,
+              stats: CommStats | None = None) -> Pending:
+    """Copy ``tensor`` from the group rank ``src_group_rank`` to every rank, in place."""
+    if stats is not None:
+        stats.record(CollectiveKind.BROADCAST, tensor)
+    if _size(group) == 1:
+        return Pending(None, tensor)
+    src = dist.get_global_rank(group, src_group_rank)
+    return Pending(dist.broadcast(tensor, src=src, group=group, async_op=True), tensor)
+
+
+_group_cache: dict[tuple[str, int, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.ProcessGroup:
+    """A second process group with the same ranks as ``group``, created once per (purpose, ranks).
+
+    Only the member ranks take part in creating it, so it may be called for a subgroup.
+    """
+    ranks = tuple(dist.get_process_group_ranks(group))
+    # The default group's identity is part of the key: a re-initialized world needs new groups.
+    key = (purpose, id(dist.group.WORLD), ranks)
+    if key not in _group_cache:
+        if len(ranks) == 1:
+            _group_cache[key] = group
+        else:
+            _group_cache[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _group_cache[key]

@@ -1,0 +1,148 @@
+"""Flat-parameter metadata: which original parameter sits where in a flat tensor.
+
+[Note: flattening]
+A wrapper owns the parameters of its module that no inner wrapper owns. They are grouped by
+(requires_grad, dtype) so that frozen and trainable parameters can live in one wrapper: each group
+becomes one flat parameter, and a frozen group gets no gradient and no reduction. Parameters are
+laid out back to back in the order ``named_parameters()`` first meets them; a parameter reachable
+under several names (tied weights) is stored once and every other name is recorded as a
+:class:`SharedParamInfo` pointing at it. Example, a module with ``a.weight`` (2x3), ``a.bias`` (2)
+and ``b.weight`` tied to ``a.weight``::
+
+    flat = [a.weight.flatten() (offset 0, 6 elements) | a.bias (offset 6, 2 elements)]   numel 8
+    shared: b.weight -> params[0]
+
+Original parameters are removed from their modules; the module attributes are set to plain tensor
+views of the flat parameter while it is unsharded (forward, backward) and, inside
+``summon_full_params`` / ``state_dict``, registered as ``nn.Parameter`` views again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "FlatParamMeta",
+    "ParamInfo",
+    "SharedParamInfo",
+    "flatten_tensors",
+    "group_params",
+    "set_module_tensor",
+    "unflatten_views",
+]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One original parameter inside a flat parameter."""
+
+    fqn: str  # name relative to the wrapped module, e.g. "layers.0.weight"
+    module_name: str  # "layers.0" ("" for the wrapped module itself)
+    param_name: str  # "weight"
+    shape: torch.Size  # original shape; () for a scalar parameter
+    numel: int
+    offset: int  # first element in the (unpadded) flat tensor
+
+
+@dataclass(frozen=True)
+class SharedParamInfo:
+    """A second name of a parameter stored once: ``module_name.param_name`` is ``params[primary]``."""
+
+    fqn: str
+    module_name: str
+    param_name: str
+    primary: int
+
+
+@dataclass(frozen=True)
+class FlatParamMeta:
+    """Layout of one flat parameter (see [Note: flattening])."""
+
+    params: tuple[ParamInfo, ...]
+    shared: tuple[SharedParamInfo, ...]
+    numel: int  # sum of the parameters' numel, without padding
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(p.fqn for p in self.params)
+
+
+@dataclass
+class _Entry:
+    fqn: str
+    module_name: str
+    param_name: str
+    param: nn.Parameter
+
+
+def _split_fqn(fqn: str) -> tuple[str, str]:
+    module_name, _, param_name = fqn.rpartition(".")
+    return module_name, param_name
+
+
+def group_params(
+    named_params: Iterable[tuple[str, nn.Parameter]], flatten: bool
+) -> list[tuple[list[_Entry], list[tuple[_Entry, int]]]]:
+    """Group owned parameters into flat-parameter groups.
+
+    ``named_params`` must yield every name of every parameter (``remove_duplicate=False``).
+    Returns, per group, the unique parameters and the extra names as ``(entry, index of the
+    primary in the group)``. With ``flatten=False`` every unique parameter is its own group.
+    """
+    groups: dict[tuple[bool, torch.dtype] | int, list[_Entry]] = {}
+    shared: dict[tuple[bool, torch.dtype] | int, list[tuple[_Entry, int]]] = {}
+    where: dict[int, tuple[tuple[bool, torch.dtype] | int, int]] = {}
+    for fqn, param in named_params:
+        module_name, param_name = _split_fqn(fqn)
+        entry = _Entry(fqn, module_name, param_name, param)
+        if id(param) in where:
+            key, index = where[id(param)]
+            shared.setdefault(key, []).append((entry, index))
+            continue
+        key = (param.requires_grad, param.dtype) if flatten else len(where)
+        group = groups.setdefault(key, [])
+        where[id(param)] = (key, len(group))
+        group.append(entry)
+    return [(entries, shared.get(key, [])) for key, entries in groups.items()]
+
+
+def make_meta(entries: Sequence[_Entry], shared: Sequence[tuple[_Entry, int]]) -> FlatParamMeta:
+    infos, offset = [], 0
+    for e in entries:
+        n = e.param.numel()
+        infos.append(ParamInfo(e.fqn, e.module_name, e.param_name, e.param.shape, n, offset))
+        offset += n
+    shared_infos = tuple(SharedParamInfo(e.fqn, e.module_name, e.param_name, i) for e, i in shared)
+    first = entries[0].param
+    return FlatParamMeta(tuple(infos), shared_infos, offset, first.dtype, first.requires_grad)
+
+
+def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate the tensors' elements into one new 1-D tensor."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def unflatten_views(flat: torch.Tensor, meta: FlatParamMeta) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like the original parameters (autograd-tracked if ``flat`` is)."""
+    return [flat.narrow(0, p.offset, p.numel).view(p.shape) for p in meta.params]
+
+
+def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_parameter: bool) -> None:
+    """Make ``module.<name>`` return ``tensor``.
+
+    As a parameter it is registered in ``module._parameters`` (seen by ``named_parameters`` and
+    ``state_dict``); otherwise it is a plain attribute that neither of them sees.
+    """
+    module.__dict__.pop(name, None)
+    module._parameters.pop(name, None)
+    if as_parameter:
+        param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=tensor.requires_grad)
+        module._parameters[name] = param
+    else:
+        module.__dict__[name] = tensor

@@ -1,0 +1,789 @@
+"""FullyShardedDataParallel: the wrapper. Config, lazy init, forward, backward hooks, summon, state dict.
+
+One wrapper owns the flat parameters (:class:`~fsdp.handle.FlatParamHandle`) of the parameters of
+its module that no inner wrapper owns. The lifecycle of one training step:
+
+1. forward: unshard (all-gather) -> point module attributes at views -> run -> reshard (free the
+   full parameter unless this wrapper keeps it) -> hook every output tensor for backward.
+2. pre-backward (first output gradient): unshard again if freed; stash shard gradients.
+3. post-backward (gradient accumulated into the full flat parameter): reduce-scatter it, reshard.
+4. end of backward (one callback queued by the first pre-backward hook): check that every rank
+   reduced the same flat parameters, wait for every reduction, set shard gradients, return every
+   wrapper to IDLE.
+
+See [Note: flat parameter data] in handle.py for what ``flat_param.data`` is in each state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdp._device import DeviceHandle, default_compute_device
+from fsdp.api import (
+    CommConfig,
+    FSDPConfig,
+    MemoryState,
+    PrecisionConfig,
+    ProcessGroupName,
+    ShardingConfig,
+    StateDictConfig,
+    TrainingState,
+    default_gradient_predivide_factor,
+)
+from fsdp.collectives import CommStats, all_reduce, get_process_group_cached
+from fsdp.flat_param import group_params
+from fsdp.handle import FlatParamHandle
+
+__all__ = ["FSDP", "FullyShardedDataParallel"]
+
+log = logging.getLogger(__name__)
+
+_WRAPPED = "_fsdp_wrapped_module"
+
+
+def _plain_name(name: str) -> str:
+    """A name inside the wrapper tree as it is in the unwrapped module."""
+    return name.replace(_WRAPPED + ".", "").replace("." + _WRAPPED, "").replace(_WRAPPED, "")
+
+
+class _RootContext:
+    """State shared by every wrapper under one root, created once at the root's lazy init."""
+
+    device: DeviceHandle
+    stats: CommStats  # collective calls and bytes of every wrapper in the tree
+    wrappers: list[FullyShardedDataParallel]  # root first, then nested wrappers in module order
+    callback_queued: bool  # the end-of-backward callback of the current backward is queued
+
+    def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
+        self.device = device
+        self.stats = CommStats()
+        self.wrappers = wrappers
+        self.callback_queued = False
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters over a process group; gather them just in time for compute.
+
+    Drop-in for ``fairscale.nn.FullyShardedDataParallel``: the constructor takes the same keyword
+    arguments with the same defaults. Options whose feature is not built yet raise
+    ``NotImplementedError`` naming the option instead of being ignored.
+
+    Args:
+        module: the module to wrap. Inner wrappers may sit anywhere inside it.
+        process_group: the group to shard over (default: the world).
+        process_group_reduce_scatter: ``ProcessGroupName.reduce_scatter`` (default) gives
+            gradient reductions their own group with the same ranks; ``ProcessGroupName.default``
+            reuses ``process_group``; or pass a group of the same size.
+        reshard_after_forward: free full parameters after forward and re-gather them in backward.
+        disable_reshard_on_root: the root keeps its full parameters from forward to backward.
+        flatten_parameters: one flat parameter per (requires_grad, dtype) group; False shards every
+            parameter on its own.
+        compute_device: where compute runs; default: where the parameters are.
+        state_dict_device: where ``state_dict()`` values go; default: the compute device.
+        state_dict_on_rank_0_only: rank 0 receives the full state dict, other ranks an empty one.
+        gradient_predivide_factor: divide gradients by this before the reduction and by
+            ``world_size / factor`` after it (default: fairscale's choice, see
+            :func:`fsdp.api.default_gradient_predivide_factor`).
+        allow_reset_parameters: let ``reset_parameters()`` reach the wrapped module.
+        verbose: a more detailed ``repr``.
+    """
+
+    _fsdp_wrapped_module: nn.Module
+    config: FSDPConfig
+    handles: list[FlatParamHandle]
+    training_state: TrainingState
+    _ctx: _RootContext | None  # set at the root's lazy init; shared by the whole tree
+    _is_root: bool | None  # None until lazy init
+    _reshard_after_forward: bool  # effective value (the root may override the config)
+    _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
+    _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter,
+        reshard_after_forward: bool = True,
+        disable_reshard_on_root: bool = True,
+        mixed_precision: bool = False,
+        fp32_reduce_scatter: bool = False,
+        flatten_parameters: bool = True,
+        move_params_to_cpu: bool = False,
+        compute_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
+        move_grads_to_cpu: bool | None = None,
+        bucket_cap_mb: int = 25,
+        compute_device: torch.device | None = None,
+        no_broadcast_optim_state: bool | None = False,
+        state_dict_device: torch.device | None = None,
+        clear_autocast_cache: bool = False,
+        force_input_to_fp32: bool = False,
+        verbose: bool = False,
+        cpu_offload: bool = False,
+        state_dict_on_rank_0_only: bool = False,
+        gradient_predivide_factor: float | None = None,
+        allow_reset_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "FullyShardedDataParallel needs torch.distributed: call "
+                "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
+            )
+        _reject_unbuilt(
+            mixed_precision=mixed_precision,
+            fp32_reduce_scatter=fp32_reduce_scatter,
+            move_params_to_cpu=move_params_to_cpu,
+            cpu_offload=cpu_offload,
+            move_grads_to_cpu=move_grads_to_cpu,
+            clear_autocast_cache=clear_autocast_cache,
+            force_input_to_fp32=force_input_to_fp32,
+        )
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        rs_group = _reduce_scatter_group(group, process_group_reduce_scatter, world_size)
+        pre = float(gradient_predivide_factor) if gradient_predivide_factor else default_gradient_predivide_factor(world_size)
+
+        owned, module_of, inner = _collect_owned(module)
+        _check_not_owned_by_inner(owned, inner)
+        devices = {p.device for _, p in owned}
+        if len(devices) > 1:
+            raise ValueError(
+                f"FullyShardedDataParallel: the parameters of {type(module).__name__} are on several devices "
+                f"({', '.join(sorted(str(d) for d in devices))}); move the module to one device before wrapping"
+            )
+        if any(d.type == "meta" for d in devices):
+            raise NotImplementedError(
+                "FullyShardedDataParallel: parameters on the meta device (deferred initialization) are not "
+                "supported yet; materialize the module before wrapping"
+            )
+        device = torch.device(compute_device) if compute_device is not None else default_compute_device(devices)
+        _check_dtypes(owned, module_of, compute_dtype, buffer_dtype)
+
+        self.config = FSDPConfig(
+            sharding=ShardingConfig(reshard_after_forward, disable_reshard_on_root, flatten_parameters),
+            precision=PrecisionConfig(compute_dtype, buffer_dtype, force_input_to_fp32),
+            comm=CommConfig(group, rs_group, world_size, rank, float(bucket_cap_mb), pre, world_size / pre),
+            state_dict=StateDictConfig(
+                torch.device(state_dict_device) if state_dict_device is not None else None, state_dict_on_rank_0_only
+            ),
+            compute_device=device,
+            no_broadcast_optim_state=bool(no_broadcast_optim_state),
+            allow_reset_parameters=allow_reset_parameters,
+            verbose=verbose,
+        )
+        self._fsdp_wrapped_module = module
+        owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
+        self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
+        stats = CommStats()
+        self.handles = []
+        for entries, shared in group_params(owned, flatten_parameters):
+            handle = FlatParamHandle(entries, shared, module_of, self.config.comm, device, stats)
+            self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
+            self.handles.append(handle)
+        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in owned})
+        self._original_names = {id(p): fqn for fqn, p in owned}
+        _move_owned_buffers(module, device)
+        for handle in self.handles:
+            if handle.requires_grad:
+                handle.flat_param.register_post_accumulate_grad_hook(self._make_post_backward_hook(handle))
+        self.training_state = TrainingState.IDLE
+        self._ctx = None
+        self._is_root = None
+        self._reshard_after_forward = reshard_after_forward
+        self._pre_backward_done = False
+
+    # ------------------------------------------------------------------ module forwarding
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        """Forward missing attributes to the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == _WRAPPED:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    @property
+    def world_size(self) -> int:
+        return self.config.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.config.comm.rank
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.config.comm.process_group
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.config.compute_device
+
+    @property
+    def is_root(self) -> bool | None:
+        """True for the wrapper that ran the first forward; None before any forward."""
+        return self._is_root
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This wrapper's own flat parameters (fairscale name)."""
+        return [h.flat_param for h in self.handles]
+
+    def extra_repr(self) -> str:
+        sharding = self.config.sharding
+        numel = sum(h.meta.numel for h in self.handles)
+        local = sum(h.spec.chunk for h in self.handles)
+        text = (
+            f"world_size={self.world_size}, rank={self.rank}, flatten_parameters={sharding.flatten_parameters}, "
+            f"reshard_after_forward={sharding.reshard_after_forward}, flat_params={len(self.handles)}, "
+            f"numel={numel}, local_numel={local}"
+        )
+        if self.config.verbose:
+            text += (
+                f", is_root={self._is_root}, training_state={self.training_state.name}, "
+                f"disable_reshard_on_root={sharding.disable_reshard_on_root}, "
+                f"compute_device={self.compute_device}, bucket_cap_mb={self.config.comm.bucket_cap_mb}, "
+                f"gradient_predivide_factor={self.config.comm.gradient_predivide_factor}, "
+                f"state_dict_device={self.config.state_dict.state_dict_device}, "
+                f"state_dict_on_rank_0_only={self.config.state_dict.state_dict_on_rank_0_only}"
+            )
+        return text
+
+    # ------------------------------------------------------------------ state machine
+    def assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+        """Raise if this wrapper is not in (one of) ``state``."""
+        states = state if isinstance(state, list) else [state]
+        if self.training_state not in states:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: expected training state {' or '.join(s.name for s in states)}, "
+                f"but it is {self.training_state.name}"
+            )
+
+    @contextlib.contextmanager
+    def _state(self, state: TrainingState) -> Iterator[None]:
+        self.training_state = state
+        try:
+            yield
+        finally:
+            self.training_state = TrainingState.IDLE
+
+    def _wrappers(self) -> list[FullyShardedDataParallel]:
+        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init(self) -> None:
+        """On the first forward of the outermost wrapper: become root, share one context, check ranks."""
+        if self._ctx is not None:
+            return
+        wrappers = self._wrappers()
+        for w in wrappers[1:]:
+            if w._is_root:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: the inner wrapper {_wrapper_path(self, w)!r} already ran a forward as "
+                    "a root of its own. A wrapper nested in another must only run inside the outer wrapper's "
+                    "forward: call forward on the outermost wrapper only (or do not nest it)"
+                )
+        ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
+        for w in wrappers:
+            w._ctx = ctx
+            w._is_root = w is self
+            for h in w.handles:
+                h.stats = ctx.stats
+        sharding = self.config.sharding
+        self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
+        _check_same_wrappers_on_all_ranks(self, wrappers)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        self.assert_state(TrainingState.IDLE)
+        grad_enabled = torch.is_grad_enabled()
+        with self._state(TrainingState.FORWARD):
+            try:
+                for h in self.handles:
+                    h.unshard()
+                    h.use_full_views(as_parameters=False)
+                outputs = self._fsdp_wrapped_module(*args, **kwargs)
+            finally:
+                # Under no_grad no backward follows: nothing is worth keeping.
+                keep_full = grad_enabled and not self._reshard_after_forward
+                for h in self.handles:
+                    h.reshard(free_full=not keep_full)
+            if grad_enabled:
+                self._register_pre_backward_hooks(outputs)
+        return outputs
+
+    def _register_pre_backward_hooks(self, outputs: Any) -> None:
+        hooked, opaque = 0, []
+
+        def hook(t: torch.Tensor) -> None:
+            nonlocal hooked
+            if t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+                hooked += 1
+
+        _visit_tensors(outputs, hook, opaque)
+        if hooked == 0 and opaque and any(h.requires_grad for h in self.handles):
+            raise TypeError(
+                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self.module).__name__} "
+                f"(found {', '.join(sorted({type(o).__name__ for o in opaque}))}); return tensors in a tuple, list, "
+                "dict, namedtuple or dataclass so that backward can be hooked"
+            )
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        """Runs when the first gradient of one of this wrapper's outputs is computed."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "FullyShardedDataParallel does not support backward with create_graph=True (higher-order "
+                "gradients): the full parameters are freed during backward. Use create_graph=False"
+            )
+        ctx = self._ctx
+        assert ctx is not None
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            root = ctx.wrappers[0]
+            torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
+        if self._pre_backward_done:
+            return grad
+        self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
+        self.training_state = TrainingState.BACKWARD_PRE
+        for h in self.handles:
+            h.unshard()
+            h.prepare_gradient_for_backward()
+        self._pre_backward_done = True
+        return grad
+
+    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+        def post_backward_hook(param: torch.Tensor) -> None:
+            if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: a gradient reached the parameters of {type(self.module).__name__} "
+                    f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
+                    "Compute the loss from the outputs of the FSDP forward"
+                )
+            self.training_state = TrainingState.BACKWARD_POST
+            handle.reduce_grad()
+            if all(h.reduced_this_backward for h in self.handles if h.requires_grad):
+                for h in self.handles:
+                    if not h.requires_grad:
+                        h.reshard(free_full=True)
+
+        return post_backward_hook
+
+    def _finalize_backward(self) -> None:
+        """End-of-backward callback (queued once per backward). Runs on the root."""
+        ctx = self._ctx
+        assert ctx is not None
+        ctx.callback_queued = False
+        try:
+            _check_same_reductions_on_all_ranks(self, ctx.wrappers)
+            for w in ctx.wrappers:
+                for h in w.handles:
+                    h.finalize_gradient()
+                    h.reshard(free_full=True)
+        finally:
+            for w in ctx.wrappers:
+                for h in w.handles:
+                    h.reduced_this_backward = False
+                w._pre_backward_done = False
+                w.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ full parameters
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator[None, None, None]:
+        """Gather the full parameters and show them under their original names and shapes.
+
+        Collective: every rank must enter. Inside the context ``named_parameters()`` yields the
+        original parameters (wrapper-prefixed names), full size. On exit, in-place changes to them
+        are written back to the shards unless ``volatile=True``.
+        """
+        wrappers = self._wrappers() if recurse else [self]
+        for w in wrappers:
+            w.assert_state(TrainingState.IDLE)
+        entered: list[FullyShardedDataParallel] = []
+        try:
+            for w in wrappers:
+                w.training_state = TrainingState.SUMMON_FULL_PARAMS
+                entered.append(w)
+                w._show_full_params()
+            yield
+        finally:
+            for w in reversed(entered):
+                w._hide_full_params(write_back=not volatile)
+                w.training_state = TrainingState.IDLE
+
+    def _show_full_params(self) -> None:
+        for h in self.handles:
+            h.unshard()
+            h.use_full_views(as_parameters=True)
+        for m, order in self._module_param_order.items():  # registration order as before wrapping
+            params = dict(m._parameters)
+            m._parameters.clear()
+            m._parameters.update((n, params.pop(n)) for n in order if n in params)
+            m._parameters.update(params)
+        for i in range(len(self.handles)):
+            self._parameters.pop(f"flat_param_{i}", None)
+
+    def _hide_full_params(self, write_back: bool) -> None:
+        for i, h in enumerate(self.handles):
+            if write_back and h.state is MemoryState.UNSHARDED:
+                h.write_back_()
+            h.reshard(free_full=True)
+            self._parameters[f"flat_param_{i}"] = h.flat_param
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
+        """``nn.Module.apply`` with this wrapper's full parameters visible to ``fn`` (collective)."""
+        with self.summon_full_params(recurse=False):
+            return super().apply(fn)  # type: ignore[return-value]
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the wrapped module (only with ``allow_reset_parameters=True``)."""
+        if not self.config.allow_reset_parameters:
+            raise RuntimeError(
+                "FullyShardedDataParallel: reset_parameters() after wrapping is not allowed; pass "
+                "allow_reset_parameters=True if the module's reset_parameters() is safe to run on full parameters"
+            )
+        with self.summon_full_params(recurse=False):
+            self.module.reset_parameters()  # type: ignore[operator]
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
+        """Divide gradients by ``pre`` before and ``post`` after the reduction (their product: world size)."""
+        self.assert_state(TrainingState.IDLE)
+        wrappers = self._wrappers() if recursive else [self]
+        for w in wrappers:
+            comm = dataclasses.replace(w.config.comm, gradient_predivide_factor=float(pre),
+                                       gradient_postdivide_factor=float(post))
+            w.config = dataclasses.replace(w.config, comm=comm)
+            for h in w.handles:
+                h.comm = comm
+
+    # ------------------------------------------------------------------ statistics
+    def comm_stats(self) -> dict[str, dict[str, Any]]:
+        """Collective calls, elements and bytes of the whole tree since the last reset."""
+        stats = self._ctx.stats if self._ctx is not None else None
+        return stats.as_dict() if stats is not None else CommStats().as_dict()
+
+    def reset_comm_stats(self) -> None:
+        if self._ctx is not None:
+            self._ctx.stats.reset()
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                   **kwargs: Any) -> Any:
+        """Full, unsharded state dict with the unwrapped module's keys. Collective: all ranks call it.
+
+        Each wrapper gathers only its own parameters while its part is written, so at most one
+        unit (and its ancestors) is full at a time.
+        """
+        if args or kwargs:
+            raise TypeError("FullyShardedDataParallel.state_dict takes keyword arguments destination, prefix, keep_vars")
+        top = destination is None
+        if top:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        self.assert_state(TrainingState.IDLE)
+        cfg = self.config.state_dict
+        device = cfg.state_dict_device or self.compute_device
+        keep = not cfg.state_dict_on_rank_0_only or self.rank == 0
+        with self._state(TrainingState.SUMMON_FULL_PARAMS):
+            self._show_full_params()
+            try:
+                self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+                for h in self.handles:
+                    clones: dict[int, torch.Tensor] = {}
+                    for i, info in enumerate(h.meta.params):
+                        key = prefix + info.fqn
+                        if key in destination:
+                            clones[i] = destination[key].detach().to(device, copy=True) if keep else None
+                            _put(destination, key, clones[i])
+                    for sinfo in h.meta.shared:
+                        key = prefix + sinfo.fqn
+                        if key in destination:
+                            _put(destination, key, clones.get(sinfo.primary))
+            finally:
+                self._hide_full_params(write_back=False)
+        if top:
+            if not keep:
+                destination.clear()
+            elif cfg.state_dict_device is not None:
+                for key, value in destination.items():
+                    if isinstance(value, torch.Tensor):
+                        destination[key] = value.to(cfg.state_dict_device)
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> NamedTuple:
+        """Load a full state dict with the unwrapped module's keys. Collective: all ranks call it."""
+        if assign:
+            raise NotImplementedError("FullyShardedDataParallel.load_state_dict(assign=True) is not supported")
+        with self.summon_full_params(recurse=True, volatile=False):
+            to_internal = {_plain_name(name): name for name, _ in self.named_modules()}
+
+            def internal(key: str) -> str:
+                module_name, dot, leaf = key.rpartition(".")
+                mapped = to_internal.get(module_name)
+                if mapped is None:
+                    return key
+                return f"{mapped}.{leaf}" if mapped else leaf
+
+            renamed: OrderedDict[str, Any] = OrderedDict((internal(k), v) for k, v in state_dict.items())
+            metadata = getattr(state_dict, "_metadata", None)
+            if metadata is not None:
+                renamed._metadata = OrderedDict(  # type: ignore[attr-defined]
+                    (to_internal.get(k, k), v) for k, v in metadata.items()
+                )
+            result = super().load_state_dict(renamed, strict=False)
+        missing = [_plain_name(k) for k in result.missing_keys]
+        unexpected = [_plain_name(k) for k in result.unexpected_keys]
+        if strict and (missing or unexpected):
+            parts = []
+            if unexpected:
+                parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+            if missing:
+                parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t" + "\n\t".join(parts)
+            )
+        return _IncompatibleKeys(missing, unexpected)
+
+    # ------------------------------------------------------------------ not built yet (later issues)
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError("FullyShardedDataParallel.no_sync is not implemented yet")
+
+    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
+        raise NotImplementedError("FullyShardedDataParallel.clip_grad_norm_ is not implemented yet")
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("FullyShardedDataParallel.local_state_dict is not implemented yet")
+
+    def load_local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("FullyShardedDataParallel.load_local_state_dict is not implemented yet")
+
+    def local_metadata_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("FullyShardedDataParallel.local_metadata_dict is not implemented yet")
+
+    @staticmethod
+    def consolidate_shard_weights(shard_weights: list[dict[str, torch.Tensor]], shard_metadata: list[dict[str, Any]],
+                                  with_module_buffers: bool = True, strict: bool = True) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("FullyShardedDataParallel.consolidate_shard_weights is not implemented yet")
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: dict[str, Any]) -> dict[str, Any] | None:
+        raise NotImplementedError("FullyShardedDataParallel.gather_full_optim_state_dict is not implemented yet")
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError("FullyShardedDataParallel.get_shard_from_optim_state_dict is not implemented yet")
+
+
+FSDP = FullyShardedDataParallel
+
+
+# ---------------------------------------------------------------------- helpers
+def _reject_unbuilt(**options: Any) -> None:
+    for name, value in options.items():
+        if value:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel: `{name}={value!r}` is not implemented yet in fsdp; "
+                f"leave it at its default"
+            )
+
+
+def _reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int) -> dist.ProcessGroup:
+    if option is None or option == ProcessGroupName.default:
+        return group
+    if option == ProcessGroupName.reduce_scatter:
+        return get_process_group_cached(group, "reduce_scatter")
+    if isinstance(option, dist.ProcessGroup):
+        if dist.get_world_size(option) != world_size:
+            raise ValueError(
+                f"FullyShardedDataParallel: process_group_reduce_scatter has {dist.get_world_size(option)} ranks but "
+                f"process_group has {world_size}; pass a group with the same ranks"
+            )
+        return option
+    raise TypeError(
+        "FullyShardedDataParallel: process_group_reduce_scatter must be a ProcessGroup or a ProcessGroupName, "
+        f"got {option!r}"
+    )
+
+
+def _collect_owned(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, nn.Module],
+                                               list[tuple[str, FullyShardedDataParallel]]]:
+    """Parameters (every name, tied ones included) not under an inner wrapper; modules by name; inner wrappers."""
+    owned: list[tuple[str, nn.Parameter]] = []
+    module_of: dict[str, nn.Module] = {}
+    inner: list[tuple[str, FullyShardedDataParallel]] = []
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        module_of[prefix.rstrip(".")] = m
+        for name, p in m._parameters.items():
+            if p is not None:
+                owned.append((prefix + name, p))
+        for name, child in m._modules.items():
+            if child is None:
+                continue
+            if isinstance(child, FullyShardedDataParallel):
+                inner.append((prefix + name, child))
+            else:
+                visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return owned, module_of, inner
+
+
+def _check_not_owned_by_inner(owned: list[tuple[str, nn.Parameter]],
+                              inner: list[tuple[str, FullyShardedDataParallel]]) -> None:
+    for path, wrapper in inner:
+        for w in wrapper._wrappers():
+            for fqn, p in owned:
+                if w._original_params.get(id(p)) is p:
+                    raise ValueError(
+                        f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of the "
+                        f"inner wrapper at {path!r}; a tied (shared) parameter must be owned by one wrapper. Put both "
+                        "modules that use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
+                    )
+
+
+def _check_dtypes(owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn.Module],
+                  compute_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None) -> None:
+    if compute_dtype is not None:
+        bad = sorted({str(p.dtype) for _, p in owned if p.dtype != compute_dtype})
+        if bad:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel: compute_dtype={compute_dtype} differs from the parameters' dtype "
+                f"({', '.join(bad)}); casting to a compute dtype (mixed precision) is not implemented yet"
+            )
+    if buffer_dtype is not None:
+        bad = sorted({str(b.dtype) for m in module_of.values() for b in m._buffers.values()
+                      if b is not None and b.is_floating_point() and b.dtype != buffer_dtype})
+        if bad:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel: buffer_dtype={buffer_dtype} differs from the buffers' dtype "
+                f"({', '.join(bad)}); casting buffers is not implemented yet"
+            )
+    for fqn, p in owned:
+        if not (p.is_floating_point() or p.is_complex()) and p.requires_grad:
+            raise ValueError(f"FullyShardedDataParallel: parameter {fqn!r} has dtype {p.dtype} and requires grad")
+
+
+def _move_owned_buffers(module: nn.Module, device: torch.device) -> None:
+    def visit(m: nn.Module) -> None:
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+        for child in m._modules.values():
+            if child is not None and not isinstance(child, FullyShardedDataParallel):
+                visit(child)
+
+    visit(module)
+
+
+def _wrapper_path(root: nn.Module, wrapper: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is wrapper:
+            return _plain_name(name) or "<root>"
+    return "<unknown>"
+
+
+def _fingerprint(root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]) -> list[str]:
+    lines = []
+    for w in wrappers:
+        params = [
+            f"{info.fqn}:{tuple(info.shape)}:{str(h.meta.dtype)[6:]}:{'T' if h.requires_grad else 'F'}"
+            for h in w.handles for info in h.meta.params
+        ]
+        lines.append(f"{_wrapper_path(root, w)} [{type(w.module).__name__}] " + " ".join(params))
+    return lines
+
+
+def _check_same_wrappers_on_all_ranks(root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]) -> None:
+    """Compare a fingerprint of the wrapper tree across ranks; raise on every rank if they differ."""
+    group = root.process_group
+    if root.world_size == 1:
+        return
+    lines = _fingerprint(root, wrappers)
+    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+    digests: list[Any] = [None] * root.world_size
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[Any] = [None] * root.world_size
+    dist.all_gather_object(everyone, lines, group=group)
+    first = next(r for r in range(root.world_size) if digests[r] != digests[0])
+    mine, theirs = everyone[0], everyone[first]
+    diff = next((f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(mine, theirs) if a != b),
+                f"rank 0 has {len(mine)} wrappers, rank {first} has {len(theirs)}")
+    raise RuntimeError(
+        "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
+        f"the same way):\n  {diff}"
+    )
+
+
+def _check_same_reductions_on_all_ranks(root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]) -> None:
+    """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch."""
+    handles = [(w, h) for w in wrappers for h in w.handles if h.requires_grad]
+    if root.world_size == 1 or not handles:
+        return
+    mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
+    both = torch.cat([mine, -mine]).to(root.compute_device)
+    all_reduce(both, root.process_group, op=dist.ReduceOp.MAX).wait()
+    both = both.cpu()
+    hi, lo = both[: len(handles)], -both[len(handles):]
+    differ = [i for i in range(len(handles)) if hi[i] != lo[i]]
+    if differ:
+        w, h = handles[differ[0]]
+        status = "reduced" if mine[differ[0]] else "did not reduce"
+        raise RuntimeError(
+            f"FullyShardedDataParallel: ranks disagree on which parameters got gradients in this backward. Rank "
+            f"{root.rank} {status} the flat parameter of {_wrapper_path(root, w)!r} (parameters "
+            f"{list(h.meta.fqns)[:4]}...) while another rank did the opposite. Every rank must run the same modules "
+            "and use the same parameters in its loss"
+        )
+
+
+def _put(destination: dict[str, Any], key: str, value: torch.Tensor | None) -> None:
+    if value is None:
+        del destination[key]
+    else:
+        destination[key] = value
+
+
+def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None], opaque: list[Any]) -> None:
+    """Call ``fn`` on every tensor in a nest of tuples, lists, dicts, namedtuples and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        fn(obj)
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            _visit_tensors(v, fn, opaque)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            _visit_tensors(v, fn, opaque)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _visit_tensors(getattr(obj, f.name), fn, opaque)
+    elif obj is not None and not isinstance(obj, (int, float, bool, str, bytes, complex)):
+        opaque.append(obj)
+

@@ -1,0 +1,268 @@
+"""FlatParamHandle: one flat parameter's tensors and the verbs that move it between states.
+
+[Note: flat parameter data]
+A handle owns three tensors for its flat parameter ``flat_param`` (an ``nn.Parameter``, the object
+the optimizer holds):
+
+- ``_shard``: this rank's chunk of the padded flat tensor, shape ``(chunk,)``, fp32 master data.
+- ``_full``: the padded full flat tensor, shape ``(padded_numel,)``. Its storage is freed
+  (``untyped_storage().resize_(0)``) while the handle is SHARDED and re-allocated in place before
+  every all-gather. See [Note: storage resize].
+- ``flat_param.data`` is ``_shard`` while SHARDED and ``_full`` while UNSHARDED. Between training
+  steps every handle is SHARDED, so the optimizer sees and updates only the local shard.
+
+At world size 1, ``_full`` *is* ``_shard`` (no copy, nothing freed).
+
+[Note: storage resize]
+Autograd saves views of the full parameter for backward (e.g. a Linear saves its weight). When
+``reshard_after_forward`` frees the full parameter, those saved views must become valid again
+before backward runs. Freeing by resizing the *storage* to zero and re-gathering into the *same*
+storage achieves that: the saved views point at that storage, so the pre-backward all-gather
+refills exactly the memory they read. Writes go to ``_full`` (its own version counter), never
+through ``flat_param``, so autograd's saved-tensor version checks stay quiet. Reading a view while
+its storage is freed would crash, so module attributes are removed whenever the handle reshards.
+
+[Note: gradient stash]
+Between steps ``flat_param.grad`` is shard-shaped. During backward autograd accumulates a
+full-shaped gradient into ``flat_param.grad``, which requires it to be None or full-shaped.
+``prepare_gradient_for_backward`` therefore moves an existing shard gradient to
+``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
+accumulation across backward passes (without zero_grad) sums as in a plain model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fsdp.api import CommConfig, MemoryState
+from fsdp.collectives import CommStats, Pending, all_gather, reduce_scatter
+from fsdp.flat_param import (
+    FlatParamMeta,
+    _Entry,
+    flatten_tensors,
+    make_meta,
+    set_module_tensor,
+    unflatten_views,
+)
+from fsdp.sharding import ShardSpec, shard_spec
+
+__all__ = ["FlatParamHandle"]
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    if t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+class FlatParamHandle:
+    """Owns one flat parameter: shard, full buffer, gradient stash, pending reduction."""
+
+    meta: FlatParamMeta  # layout of the original parameters in the flat tensor
+    spec: ShardSpec  # this rank's chunk of the padded flat tensor
+    modules: list[nn.Module]  # owning module of each meta.params[i]
+    shared_modules: list[nn.Module]  # owning module of each meta.shared[i]
+    flat_param: nn.Parameter  # .data: _shard (SHARDED) or _full (UNSHARDED)
+    state: MemoryState
+    _shard: torch.Tensor  # (chunk,) local fp32 shard
+    _full: torch.Tensor  # (padded_numel,) full buffer; storage freed while SHARDED
+    _full_valid: bool  # _full holds the gathered values of the current _shard
+    _full_version: int  # flat_param._version when _full was last known valid
+    _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
+    _pending: Pending | None  # in-flight reduce-scatter of this backward
+    reduced_this_backward: bool
+
+    def __init__(
+        self,
+        entries: Sequence[_Entry],
+        shared: Sequence[tuple[_Entry, int]],
+        module_of: dict[str, nn.Module],
+        comm: CommConfig,
+        device: torch.device,
+        stats: CommStats,
+    ) -> None:
+        self.meta = make_meta(entries, shared)
+        self.comm = comm
+        self.stats = stats
+        self.spec = shard_spec(self.meta.numel, comm.world_size, comm.rank)
+        self.modules = [module_of[p.module_name] for p in self.meta.params]
+        self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
+        with torch.no_grad():
+            flat = flatten_tensors([e.param.to(device) for e in entries])
+            padded = torch.zeros(self.spec.padded_numel, dtype=flat.dtype, device=device)
+            padded[: flat.numel()].copy_(flat)
+            del flat
+        if comm.world_size == 1:
+            self._shard = padded
+            self._full = padded
+        else:
+            self._shard = padded[self.spec.start : self.spec.end].clone()
+            self._full = padded
+            _free_storage(self._full)
+        self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
+        self.state = MemoryState.SHARDED
+        self._full_valid = comm.world_size == 1
+        self._full_version = -1
+        self._saved_grad_shard = None
+        self._pending = None
+        self.reduced_this_backward = False
+        for info, module in zip(self.meta.params, self.modules, strict=True):
+            module._parameters.pop(info.param_name, None)
+        for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
+            module._parameters.pop(sinfo.param_name, None)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def aliased(self) -> bool:
+        """World size 1: the full parameter is the shard itself."""
+        return self._full is self._shard
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.meta.requires_grad
+
+    def sharded_data(self) -> torch.Tensor:
+        """This rank's shard (what ``flat_param.data`` is between steps)."""
+        return self._shard
+
+    def full_data(self) -> torch.Tensor:
+        """The unpadded full flat tensor. Only valid while UNSHARDED."""
+        assert self.state is MemoryState.UNSHARDED, "full data read while sharded"
+        return self._full[: self.meta.numel]
+
+    # ------------------------------------------------------------------ verbs
+    def unshard(self) -> None:
+        """All-gather the full flat parameter and make it ``flat_param.data``. Collective.
+
+        Skipped when the full buffer still holds the current shard's values (kept after a forward
+        with ``reshard_after_forward=False``, and not invalidated by an in-place update since).
+        """
+        if self.state is MemoryState.UNSHARDED:
+            return
+        self._adopt_user_data()
+        if not self.aliased and not (self._full_valid and self._full_version == self.flat_param._version):
+            _alloc_storage(self._full)
+            all_gather(self._full, self._shard, self.comm.process_group, self.stats).wait()
+        self._full_valid = True
+        self.flat_param.data = self._full
+        self.state = MemoryState.UNSHARDED
+
+    def reshard(self, free_full: bool = True) -> None:
+        """Point ``flat_param.data`` back at the shard; free the full buffer unless told to keep it."""
+        if self.state is MemoryState.SHARDED:
+            if free_full:
+                self._free_full()
+            return
+        self.flat_param.data = self._shard
+        self.state = MemoryState.SHARDED
+        self.remove_module_tensors()
+        if free_full:
+            self._free_full()
+        else:
+            self._full_version = self.flat_param._version
+
+    def _free_full(self) -> None:
+        if not self.aliased:
+            _free_storage(self._full)
+            self._full_valid = False
+
+    def _adopt_user_data(self) -> None:
+        """Follow a user who replaced ``flat_param.data`` between steps (e.g. ``p.data = t``)."""
+        data = self.flat_param.data
+        if data.data_ptr() != self._shard.data_ptr() or data.shape != self._shard.shape:
+            if data.shape != self._shard.shape:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: a flat parameter's data was replaced by a tensor of shape "
+                    f"{tuple(data.shape)}; it must keep its local shard shape {tuple(self._shard.shape)}"
+                )
+            self._shard = data
+            if self.aliased or self.comm.world_size == 1:
+                self._full = data
+            self._full_valid = self.comm.world_size == 1
+
+    def write_back_(self) -> None:
+        """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
+        assert self.state is MemoryState.UNSHARDED
+        if not self.aliased:
+            with torch.no_grad():
+                self._shard.copy_(self._full[self.spec.start : self.spec.end])
+        self._full_version = -1  # the shard changed under the full buffer's feet: never reuse it
+
+    # ------------------------------------------------------------------ module attributes
+    def use_full_views(self, as_parameters: bool) -> None:
+        """Set the modules' attributes to views of the full parameter.
+
+        In forward the views come from ``flat_param`` so autograd routes their gradients into
+        ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
+        """
+        assert self.state is MemoryState.UNSHARDED
+        source = self._full[: self.meta.numel] if as_parameters else self.flat_param[: self.meta.numel]
+        views = unflatten_views(source, self.meta)
+        for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
+            if as_parameters:
+                view = nn.Parameter(view, requires_grad=self.requires_grad)
+            set_module_tensor(module, info.param_name, view, as_parameters)
+        for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
+            primary = self.modules[sinfo.primary]
+            set_module_tensor(module, sinfo.param_name, getattr(primary, self.meta.params[sinfo.primary].param_name),
+                              as_parameters)
+
+    def remove_module_tensors(self) -> None:
+        for info, module in zip(self.meta.params, self.modules, strict=True):
+            module.__dict__.pop(info.param_name, None)
+            module._parameters.pop(info.param_name, None)
+        for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
+            module.__dict__.pop(sinfo.param_name, None)
+            module._parameters.pop(sinfo.param_name, None)
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_gradient_for_backward(self) -> None:
+        """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
+        grad = self.flat_param.grad
+        if grad is None or grad.shape == self.flat_param.shape:
+            return
+        assert self._saved_grad_shard is None, "gradient stashed twice in one backward"
+        self._saved_grad_shard = grad
+        self.flat_param.grad = None
+
+    def reduce_grad(self) -> None:
+        """Launch the reduce-scatter of the full gradient; reshard. Runs in the post-backward hook.
+
+        Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
+        g1 = [5, 6, 7, 8] on rank 1: after reduce-scatter and division by the world size rank 0
+        holds [3, 4] and rank 1 holds [5, 6] (the mean of the ranks' gradients, chunk by chunk).
+        """
+        grad = self.flat_param.grad
+        assert grad is not None and grad.shape == self._full.shape, "post-backward without a full gradient"
+        self.flat_param.grad = None
+        grad = grad.contiguous()
+        if self.comm.gradient_predivide_factor != 1:
+            grad.div_(self.comm.gradient_predivide_factor)
+        out = torch.empty(self.spec.chunk, dtype=grad.dtype, device=grad.device)
+        self._pending = reduce_scatter(out, grad, self.comm.process_group_reduce_scatter, self.stats)
+        self.reduced_this_backward = True
+        self.reshard(free_full=True)
+
+    def finalize_gradient(self) -> None:
+        """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""
+        if self._pending is None:
+            if self._saved_grad_shard is not None:  # no new gradient this backward: restore the old one
+                self.flat_param.grad = self._saved_grad_shard
+                self._saved_grad_shard = None
+            return
+        out = self._pending.wait()
+        self._pending = None
+        if self.comm.gradient_postdivide_factor != 1:
+            out.div_(self.comm.gradient_postdivide_factor)
+        if self._saved_grad_shard is not None:
+            out = self._saved_grad_shard.add_(out)
+            self._saved_grad_shard = None
+        self.flat_param.grad = out
