@@ -426,6 +426,8 @@ class FullyShardedDataParallel(nn.Module):
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
         entered: list[FullyShardedDataParallel] = []
+        # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.
+        snapshots = [(h, h.sharded_data().clone()) for w in wrappers for h in w.handles if volatile and h.aliased]
         try:
             for w in wrappers:
                 w.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -436,6 +438,9 @@ class FullyShardedDataParallel(nn.Module):
             for w in reversed(entered):
                 w._hide_full_params(write_back=not volatile)
                 w.training_state = TrainingState.IDLE
+            with torch.no_grad():
+                for h, saved in snapshots:
+                    h.sharded_data().copy_(saved)
 
     def _show_full_params(self) -> None:
         for h in self.handles:
@@ -545,7 +550,7 @@ class FullyShardedDataParallel(nn.Module):
             to_internal = {_plain_name(name): name for name, _ in self.named_modules()}
 
             def internal(key: str) -> str:
-                module_name, dot, leaf = key.rpartition(".")
+                module_name, _, leaf = key.rpartition(".")
                 mapped = to_internal.get(module_name)
                 if mapped is None:
                     return key
@@ -749,7 +754,8 @@ def _check_same_reductions_on_all_ranks(root: FullyShardedDataParallel, wrappers
         return
     mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
     both = torch.cat([mine, -mine]).to(root.compute_device)
-    all_reduce(both, root.process_group, op=dist.ReduceOp.MAX).wait()
+    stats = root._ctx.stats if root._ctx is not None else None
+    all_reduce(both, root.process_group, op=dist.ReduceOp.MAX, stats=stats).wait()
     both = both.cpu()
     hi, lo = both[: len(handles)], -both[len(handles):]
     differ = [i for i in range(len(handles)) if hi[i] != lo[i]]

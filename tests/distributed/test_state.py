@@ -1,0 +1,298 @@
+"""Sharding is real; full parameters appear only when needed; summon and state dicts round-trip."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import TrainingState
+from fsdp.api import MemoryState
+from tests.models import build, wrap
+from tests.rank_pool import RankPool
+
+
+def _local_fraction() -> dict[str, float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    total = sum(p.numel() for p in model.parameters())
+    for i in range(4):
+        model[i] = FSDP(model[i])
+    model = FSDP(model)
+    local = sum(p.numel() for p in model.parameters())
+    return {"fraction": local / total, "world": dist.get_world_size()}
+
+
+@pytest.mark.parametrize("pool", [1, 2, 3, 4], indirect=True)
+def test_each_rank_holds_one_nth(pool: RankPool) -> None:
+    for r in pool.run(_local_fraction):
+        n = r["world"]
+        # padding adds at most world_size - 1 elements per flat parameter (4 of 4160 elements here)
+        assert 1 / n <= r["fraction"] <= 1 / n + 4 * (n - 1) / 4160 + 1e-9
+
+
+def _freed_after_forward() -> list[tuple[str, int, int]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
+    model[1] = FSDP(model[1])
+    root = FSDP(model)
+    seen: list[tuple[str, int, int]] = []
+
+    def during(module: nn.Module, inputs: object, output: object) -> None:
+        h = root.module[1].handles[0]
+        seen.append(("during", h._full.untyped_storage().size(), h.flat_param.numel()))
+
+    root.module[1].module.register_forward_hook(during)
+    out = root(torch.randn(4, 8))
+    inner = root.module[1].handles[0]
+    seen.append(("after_forward", inner._full.untyped_storage().size(), inner.flat_param.numel()))
+    assert root.module[1].training_state is TrainingState.IDLE
+    out.sum().backward()
+    for w in (root, root.module[1]):
+        for h in w.handles:
+            assert h.state is MemoryState.SHARDED
+            seen.append(("after_backward", h._full.untyped_storage().size(), h.flat_param.numel()))
+    return seen
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_inner_full_params_freed_after_forward(pool: RankPool) -> None:
+    for seen in pool.run(_freed_after_forward):
+        during, after, *end = seen
+        assert during[1] == 72 * 4, "the inner unit is gathered during its forward"
+        assert during[2] == 72, "flat_param.data is the (padded) full parameter during forward"
+        assert after[1] == 0, "inner full parameter storage is freed after forward"
+        assert after[2] == 72 // pool.world_size, "flat_param.data is the local shard after forward"
+        assert all(size == 0 for _, size, _ in end), "every full parameter is freed after backward"
+
+
+def _state_dict_roundtrip() -> dict[str, object]:
+    rank = dist.get_rank()
+    ref = build("buffers", seed=3)
+    model = wrap(copy.deepcopy(ref), ("lin", "norm"))
+    sd = model.state_dict()
+    ref_sd = ref.state_dict()
+    keys_equal = list(sd) == list(ref_sd)
+    values_equal = all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    # a plain module loads it with strict=True
+    plain = build("buffers", seed=99)
+    plain.load_state_dict(sd, strict=True)
+    plain_equal = all(torch.equal(plain.state_dict()[k], ref_sd[k]) for k in ref_sd)
+    # and the wrapper loads a plain module's state dict (different values, rank-independent)
+    other = build("buffers", seed=7)
+    other.calls.fill_(5)
+    model.load_state_dict(other.state_dict())
+    after = model.state_dict()
+    loaded_equal = all(torch.equal(after[k], v) for k, v in other.state_dict().items())
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    out_equal = torch.allclose(model(x), other(x), atol=1e-6)
+    # strict loading reports missing and unexpected keys by their plain names
+    bad = dict(other.state_dict())
+    bad.pop("lin.bias")
+    bad["extra.weight"] = torch.zeros(1)
+    try:
+        model.load_state_dict(bad)
+        strict_msg = ""
+    except RuntimeError as e:
+        strict_msg = str(e)
+    result = model.load_state_dict(bad, strict=False)
+    return {
+        "keys_equal": keys_equal, "values_equal": values_equal, "plain_equal": plain_equal,
+        "loaded_equal": loaded_equal, "out_equal": out_equal, "strict_msg": strict_msg,
+        "missing": result.missing_keys, "unexpected": result.unexpected_keys,
+        "fp32": all(v.dtype in (torch.float32, torch.long) for v in sd.values()),
+    }
+
+
+@pytest.mark.parametrize("pool", [1, 3], indirect=True)
+def test_state_dict_roundtrip(pool: RankPool) -> None:
+    for r in pool.run(_state_dict_roundtrip):
+        assert r["keys_equal"] and r["values_equal"] and r["fp32"]
+        assert r["plain_equal"], "the wrapper's state dict loads into a plain module"
+        assert r["loaded_equal"] and r["out_equal"], "a plain state dict loads into the wrapper"
+        assert '"lin.bias"' in r["strict_msg"] and '"extra.weight"' in r["strict_msg"]
+        assert "_fsdp_wrapped_module" not in r["strict_msg"]
+        assert r["missing"] == ["lin.bias"] and r["unexpected"] == ["extra.weight"]
+
+
+def _state_dict_options() -> dict[str, object]:
+    rank = dist.get_rank()
+    ref = build("nested", seed=1)
+    on_rank0 = wrap(copy.deepcopy(ref), ("body",), state_dict_on_rank_0_only=True)
+    sd0 = on_rank0.state_dict()
+    meta = wrap(copy.deepcopy(ref), ("body",), state_dict_device=torch.device("meta"))
+    sd_meta = meta.state_dict()
+    return {
+        "rank": rank,
+        "rank0_keys": list(sd0),
+        "rank0_ok": all(torch.equal(sd0[k], v) for k, v in ref.state_dict().items()) if rank == 0 else True,
+        "devices": sorted({str(v.device) for v in sd_meta.values()}),
+        "n_keys": len(ref.state_dict()),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_state_dict_on_rank_0_only_and_device(pool: RankPool) -> None:
+    for r in pool.run(_state_dict_options):
+        if r["rank"] == 0:
+            assert len(r["rank0_keys"]) == r["n_keys"] and r["rank0_ok"]
+        else:
+            assert r["rank0_keys"] == []
+        assert r["devices"] == ["meta"], "state_dict_device moves every value"
+
+
+def _summon() -> dict[str, object]:
+    rank = dist.get_rank()
+    ref = build("tied", seed=2)
+    model = wrap(copy.deepcopy(ref), ("mix",))
+    flat_before = [p.detach().clone() for p in model.parameters()]
+    with model.summon_full_params():
+        named = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        states = {w.training_state for w in model.modules() if isinstance(w, FSDP)}
+        full_equal = torch.equal(model.module.mix.module.weight, ref.mix.weight)
+        with torch.no_grad():
+            model.module.mix.module.weight.fill_(rank + 1.0)  # ranks disagree: each writes its own chunk back
+            model.module.emb.weight.add_(1.0)
+    after = model.state_dict()
+    with model.summon_full_params(volatile=True):
+        with torch.no_grad():
+            model.module.mix.module.bias.fill_(100.0)
+    after_volatile = model.state_dict()
+    with model.summon_full_params(recurse=False):
+        inner_sharded = model.module.mix.handles[0].state is MemoryState.SHARDED
+        root_full = model.handles[0].state is MemoryState.UNSHARDED
+    return {
+        "named": named, "states": {s.name for s in states}, "full_equal": full_equal,
+        "mix_weight": after["mix.weight"], "emb_delta": (after["emb.weight"] - ref.emb.weight).abs().max().item(),
+        "tied_same": after["head.weight"] is after["emb.weight"],
+        "bias_kept": torch.equal(after_volatile["mix.bias"], after["mix.bias"]),
+        "flat_shapes_back": [tuple(p.shape) for p in model.parameters()] == [tuple(p.shape) for p in flat_before],
+        "inner_sharded": inner_sharded, "root_full": root_full,
+    }
+
+
+@pytest.mark.parametrize("pool", [1, 2, 3], indirect=True)
+def test_summon_full_params(pool: RankPool) -> None:
+    results = pool.run(_summon)
+    n = pool.world_size
+    for r in results:
+        names = r["named"]
+        assert names["_fsdp_wrapped_module.emb.weight"] == (11, 6)
+        assert names["_fsdp_wrapped_module.mix._fsdp_wrapped_module.weight"] == (6, 6)
+        assert not any("flat_param" in k for k in names), "flat parameters are hidden inside summon"
+        assert r["states"] == {"SUMMON_FULL_PARAMS"} and r["full_equal"]
+        assert abs(r["emb_delta"] - 1.0) < 1e-6, "in-place writes persist after summon"
+        assert r["tied_same"], "tied parameters are one tensor in the state dict, as in a plain module"
+        assert r["bias_kept"], "volatile summon discards writes"
+        assert r["flat_shapes_back"] and r["inner_sharded"] and r["root_full"]
+        # each rank wrote rank+1 into its view: its own chunk of the flat parameter is what persists
+        w = r["mix_weight"].reshape(-1)
+        chunk = -(-42 // n)  # mix: 36 weight + 6 bias elements
+        for i in range(36):
+            assert w[i].item() == i // chunk + 1.0
+
+
+def _apply_and_reset() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), FSDP(nn.Linear(4, 4), allow_reset_parameters=True)))
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.weight.fill_(0.25)
+                m.bias.zero_()
+
+    model.apply(init)
+    sd = model.state_dict()
+    applied = all(torch.all(sd[k] == 0.25) for k in ("0.weight", "1.weight"))
+    model.module[1].reset_parameters()
+    sd2 = model.state_dict()
+    plain = FSDP(nn.Linear(2, 2))
+    try:
+        plain.reset_parameters()
+        refused = False
+    except RuntimeError as e:
+        refused = "allow_reset_parameters=True" in str(e)
+    return {"applied": applied, "reset": not torch.all(sd2["1.weight"] == 0.25).item(),
+            "root_kept": torch.equal(sd2["0.weight"], sd["0.weight"]), "refused": refused}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_apply_sees_full_params_and_reset_parameters(pool: RankPool) -> None:
+    for r in pool.run(_apply_and_reset):
+        assert r == {"applied": True, "reset": True, "root_kept": True, "refused": True}
+
+
+def _eval_and_no_grad() -> dict[str, float]:
+    rank = dist.get_rank()
+    ref = build("nested", seed=4)
+    model = wrap(copy.deepcopy(ref), ("body", "inp"))
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+    model.eval()
+    with torch.no_grad():
+        a = model(x)
+        b = model(x)  # twice in a row: root's full params must not be stale or leaked
+    states = [h.state for w in model.modules() if isinstance(w, FSDP) for h in w.handles]
+    model.train()
+    loss = model(x).sum()
+    loss.backward()
+    return {"err": max((a - ref(x)).abs().max().item(), (b - ref(x)).abs().max().item()),
+            "all_sharded": float(all(s is MemoryState.SHARDED for s in states))}
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_eval_and_no_grad_forward(pool: RankPool) -> None:
+    for r in pool.run(_eval_and_no_grad):
+        assert r["err"] < 1e-6 and r["all_sharded"] == 1.0
+
+
+def _grad_accumulation() -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = build("nested", seed=5)
+    model = wrap(copy.deepcopy(ref), ("body",))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2 * world, 6, generator=g) for _ in range(3)]
+    for b in batches:  # three backward passes, no zero_grad: gradients sum
+        model(b[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+        ref(b).pow(2).mean().backward()
+    from tests.parity import handles_with_ref_names, reference_flat, shard_of
+
+    err = 0.0
+    for h, names in handles_with_ref_names(model):
+        expected = reference_flat(ref, names, "grad")
+        err = max(err, (h.flat_param.grad - shard_of(expected, h)).abs().max().item())
+    return err
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_gradient_accumulation_across_backwards(pool: RankPool) -> None:
+    assert max(pool.run(_grad_accumulation)) < 1e-5
+
+
+def _comm_counts() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 1))
+    model[0], model[1] = FSDP(model[0]), FSDP(model[1])
+    root = FSDP(model)
+    root(torch.randn(2, 5)).sum().backward()  # lazy init + warm-up
+    root.reset_comm_stats()
+    root(torch.randn(2, 5)).sum().backward()
+    return root.comm_stats()
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_collectives_per_step(pool: RankPool) -> None:
+    n = pool.world_size
+    padded = -(-30 // n) * n  # each Linear(5, 5) has 30 elements
+    root_padded = -(-6 // n) * n
+    for stats in pool.run(_comm_counts):
+        # inner units: gathered in forward and again in backward; the root keeps its params
+        assert stats["all_gather"]["calls"] == 2 + 2 + 1
+        assert stats["all_gather"]["numel"] == 4 * padded + root_padded
+        assert stats["reduce_scatter"]["calls"] == 3
+        assert stats["reduce_scatter"]["numel"] == 2 * padded + root_padded
+        assert stats["all_reduce"]["calls"] == 1, "one small consistency check per backward"
