@@ -41,7 +41,7 @@ class DeviceHandle:
         return torch.cuda.current_stream(self.device) if self.is_cuda else _NullStream()
 
     def new_stream(self) -> Any:
-        return torch.cuda.Stream(self.device) if self.is_cuda else _NullStream()
+        return torch.cuda.Stream(self.device) if self.is_cuda else _NullStream()  # type: ignore[no-untyped-call]
 
     @contextlib.contextmanager
     def stream(self, stream: Any) -> Iterator[None]:

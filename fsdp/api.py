@@ -91,7 +91,9 @@ class PrecisionConfig:
         for name in ("compute_dtype", "buffer_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):
-                raise TypeError(f"FullyShardedDataParallel: `{name}` must be a torch.dtype or None, got {value!r}")
+                raise TypeError(
+                    f"FullyShardedDataParallel: `{name}` must be a torch.dtype or None, got {value!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,9 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb < 0:
-            raise ValueError(f"FullyShardedDataParallel: `bucket_cap_mb` must be >= 0, got {self.bucket_cap_mb}")
+            raise ValueError(
+                f"FullyShardedDataParallel: `bucket_cap_mb` must be >= 0, got {self.bucket_cap_mb}"
+            )
         for name in ("gradient_predivide_factor", "gradient_postdivide_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"FullyShardedDataParallel: `{name}` must be > 0, got {getattr(self, name)}")

@@ -30,7 +30,9 @@ __all__ = [
 ]
 
 _all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_reduce_scatter_fn: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 class CollectiveKind(str, enum.Enum):
@@ -106,13 +108,16 @@ def _size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-               stats: CommStats | None = None) -> Pending:
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None
+) -> Pending:
     """Gather every rank's ``shard`` into ``output`` (rank order). ``output.numel() == N * shard.numel()``."""
     n = _size(group)
     if output.numel() != n * shard.numel() or output.dtype != shard.dtype:
-        raise AssertionError(f"all_gather: output {tuple(output.shape)}/{output.dtype} does not hold {n} x "
-                             f"{tuple(shard.shape)}/{shard.dtype}")
+        raise AssertionError(
+            f"all_gather: output {tuple(output.shape)}/{output.dtype} does not hold {n} x "
+            f"{tuple(shard.shape)}/{shard.dtype}"
+        )
     if stats is not None:
         stats.record(CollectiveKind.ALL_GATHER, output)
     if n == 1:
@@ -122,13 +127,16 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return Pending(work, output, (shard,))
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                   stats: CommStats | None = None) -> Pending:
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None
+) -> Pending:
     """Sum ``full`` over ranks and leave chunk ``rank`` of the sum in ``output``."""
     n = _size(group)
     if full.numel() != n * output.numel() or output.dtype != full.dtype:
-        raise AssertionError(f"reduce_scatter: input {tuple(full.shape)}/{full.dtype} is not {n} x "
-                             f"{tuple(output.shape)}/{output.dtype}")
+        raise AssertionError(
+            f"reduce_scatter: input {tuple(full.shape)}/{full.dtype} is not {n} x "
+            f"{tuple(output.shape)}/{output.dtype}"
+        )
     if stats is not None:
         stats.record(CollectiveKind.REDUCE_SCATTER, full)
     if n == 1:
@@ -138,8 +146,12 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return Pending(work, output, (full,))
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM,
-               stats: CommStats | None = None) -> Pending:
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: Any = dist.ReduceOp.SUM,
+    stats: CommStats | None = None,
+) -> Pending:
     """Reduce ``tensor`` in place over the group."""
     if stats is not None:
         stats.record(CollectiveKind.ALL_REDUCE, tensor)
@@ -148,8 +160,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.Re
     return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor)
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup,
-              stats: CommStats | None = None) -> Pending:
+def broadcast(
+    tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup, stats: CommStats | None = None
+) -> Pending:
     """Copy ``tensor`` from the group rank ``src_group_rank`` to every rank, in place."""
     if stats is not None:
         stats.record(CollectiveKind.BROADCAST, tensor)

@@ -142,7 +142,11 @@ def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_par
     module.__dict__.pop(name, None)
     module._parameters.pop(name, None)
     if as_parameter:
-        param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=tensor.requires_grad)
+        param = (
+            tensor
+            if isinstance(tensor, nn.Parameter)
+            else nn.Parameter(tensor, requires_grad=tensor.requires_grad)
+        )
         module._parameters[name] = param
     else:
         module.__dict__[name] = tensor

@@ -157,7 +157,11 @@ class FullyShardedDataParallel(nn.Module):
         assert group is not None
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         rs_group = _reduce_scatter_group(group, process_group_reduce_scatter, world_size)
-        pre = float(gradient_predivide_factor) if gradient_predivide_factor else default_gradient_predivide_factor(world_size)
+        pre = (
+            float(gradient_predivide_factor)
+            if gradient_predivide_factor
+            else default_gradient_predivide_factor(world_size)
+        )
 
         owned, module_of, inner = _collect_owned(module)
         _check_not_owned_by_inner(owned, inner)
@@ -172,7 +176,9 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel: parameters on the meta device (deferred initialization) are not "
                 "supported yet; materialize the module before wrapping"
             )
-        device = torch.device(compute_device) if compute_device is not None else default_compute_device(devices)
+        device = (
+            torch.device(compute_device) if compute_device is not None else default_compute_device(devices)
+        )
         _check_dtypes(owned, module_of, compute_dtype, buffer_dtype)
 
         self.config = FSDPConfig(
@@ -180,7 +186,8 @@ class FullyShardedDataParallel(nn.Module):
             precision=PrecisionConfig(compute_dtype, buffer_dtype, force_input_to_fp32),
             comm=CommConfig(group, rs_group, world_size, rank, float(bucket_cap_mb), pre, world_size / pre),
             state_dict=StateDictConfig(
-                torch.device(state_dict_device) if state_dict_device is not None else None, state_dict_on_rank_0_only
+                torch.device(state_dict_device) if state_dict_device is not None else None,
+                state_dict_on_rank_0_only,
             ),
             compute_device=device,
             no_broadcast_optim_state=bool(no_broadcast_optim_state),
@@ -201,7 +208,9 @@ class FullyShardedDataParallel(nn.Module):
         _move_owned_buffers(module, device)
         for handle in self.handles:
             if handle.requires_grad:
-                handle.flat_param.register_post_accumulate_grad_hook(self._make_post_backward_hook(handle))
+                handle.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._make_post_backward_hook(handle)
+                )
         self.training_state = TrainingState.IDLE
         self._ctx = None
         self._is_root = None
@@ -338,12 +347,13 @@ class FullyShardedDataParallel(nn.Module):
         return outputs
 
     def _register_pre_backward_hooks(self, outputs: Any) -> None:
-        hooked, opaque = 0, []
+        hooked = 0
+        opaque: list[Any] = []
 
         def hook(t: torch.Tensor) -> None:
             nonlocal hooked
             if t.requires_grad:
-                t.register_hook(self._pre_backward_hook)
+                t.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
                 hooked += 1
 
         _visit_tensors(outputs, hook, opaque)
@@ -427,7 +437,9 @@ class FullyShardedDataParallel(nn.Module):
             w.assert_state(TrainingState.IDLE)
         entered: list[FullyShardedDataParallel] = []
         # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.
-        snapshots = [(h, h.sharded_data().clone()) for w in wrappers for h in w.handles if volatile and h.aliased]
+        snapshots = [
+            (h, h.sharded_data().clone()) for w in wrappers for h in w.handles if volatile and h.aliased
+        ]
         try:
             for w in wrappers:
                 w.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -481,8 +493,9 @@ class FullyShardedDataParallel(nn.Module):
         self.assert_state(TrainingState.IDLE)
         wrappers = self._wrappers() if recursive else [self]
         for w in wrappers:
-            comm = dataclasses.replace(w.config.comm, gradient_predivide_factor=float(pre),
-                                       gradient_postdivide_factor=float(post))
+            comm = dataclasses.replace(
+                w.config.comm, gradient_predivide_factor=float(pre), gradient_postdivide_factor=float(post)
+            )
             w.config = dataclasses.replace(w.config, comm=comm)
             for h in w.handles:
                 h.comm = comm
@@ -498,15 +511,18 @@ class FullyShardedDataParallel(nn.Module):
             self._ctx.stats.reset()
 
     # ------------------------------------------------------------------ state dict
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False,
-                   **kwargs: Any) -> Any:
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False, **kwargs: Any
+    ) -> Any:
         """Full, unsharded state dict with the unwrapped module's keys. Collective: all ranks call it.
 
         Each wrapper gathers only its own parameters while its part is written, so at most one
         unit (and its ancestors) is full at a time.
         """
         if args or kwargs:
-            raise TypeError("FullyShardedDataParallel.state_dict takes keyword arguments destination, prefix, keep_vars")
+            raise TypeError(
+                "FullyShardedDataParallel.state_dict takes keyword arguments destination, prefix, keep_vars"
+            )
         top = destination is None
         if top:
             destination = OrderedDict()
@@ -518,9 +534,11 @@ class FullyShardedDataParallel(nn.Module):
         with self._state(TrainingState.SUMMON_FULL_PARAMS):
             self._show_full_params()
             try:
-                self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+                self._fsdp_wrapped_module.state_dict(
+                    destination=destination, prefix=prefix, keep_vars=keep_vars
+                )
                 for h in self.handles:
-                    clones: dict[int, torch.Tensor] = {}
+                    clones: dict[int, torch.Tensor | None] = {}
                     for i, info in enumerate(h.meta.params):
                         key = prefix + info.fqn
                         if key in destination:
@@ -541,11 +559,17 @@ class FullyShardedDataParallel(nn.Module):
                         destination[key] = value.to(cfg.state_dict_device)
         return destination
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
-                        assign: bool = False) -> NamedTuple:
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        strict: bool = True,  # type: ignore[override]
+        assign: bool = False,
+    ) -> NamedTuple:
         """Load a full state dict with the unwrapped module's keys. Collective: all ranks call it."""
         if assign:
-            raise NotImplementedError("FullyShardedDataParallel.load_state_dict(assign=True) is not supported")
+            raise NotImplementedError(
+                "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
+            )
         with self.summon_full_params(recurse=True, volatile=False):
             to_internal = {_plain_name(name): name for name, _ in self.named_modules()}
 
@@ -568,7 +592,9 @@ class FullyShardedDataParallel(nn.Module):
         if strict and (missing or unexpected):
             parts = []
             if unexpected:
-                parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+                parts.append(
+                    "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + "."
+                )
             if missing:
                 parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
             raise RuntimeError(
@@ -593,15 +619,25 @@ class FullyShardedDataParallel(nn.Module):
         raise NotImplementedError("FullyShardedDataParallel.local_metadata_dict is not implemented yet")
 
     @staticmethod
-    def consolidate_shard_weights(shard_weights: list[dict[str, torch.Tensor]], shard_metadata: list[dict[str, Any]],
-                                  with_module_buffers: bool = True, strict: bool = True) -> dict[str, torch.Tensor]:
+    def consolidate_shard_weights(
+        shard_weights: list[dict[str, torch.Tensor]],
+        shard_metadata: list[dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> dict[str, torch.Tensor]:
         raise NotImplementedError("FullyShardedDataParallel.consolidate_shard_weights is not implemented yet")
 
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: dict[str, Any]) -> dict[str, Any] | None:
-        raise NotImplementedError("FullyShardedDataParallel.gather_full_optim_state_dict is not implemented yet")
+    def gather_full_optim_state_dict(
+        self, optim: torch.optim.Optimizer, **ignored: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        raise NotImplementedError(
+            "FullyShardedDataParallel.gather_full_optim_state_dict is not implemented yet"
+        )
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError("FullyShardedDataParallel.get_shard_from_optim_state_dict is not implemented yet")
+        raise NotImplementedError(
+            "FullyShardedDataParallel.get_shard_from_optim_state_dict is not implemented yet"
+        )
 
 
 FSDP = FullyShardedDataParallel
@@ -635,8 +671,9 @@ def _reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int
     )
 
 
-def _collect_owned(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, nn.Module],
-                                               list[tuple[str, FullyShardedDataParallel]]]:
+def _collect_owned(
+    module: nn.Module,
+) -> tuple[list[tuple[str, nn.Parameter]], dict[str, nn.Module], list[tuple[str, FullyShardedDataParallel]]]:
     """Parameters (every name, tied ones included) not under an inner wrapper; modules by name; inner wrappers."""
     owned: list[tuple[str, nn.Parameter]] = []
     module_of: dict[str, nn.Module] = {}
@@ -659,8 +696,9 @@ def _collect_owned(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], d
     return owned, module_of, inner
 
 
-def _check_not_owned_by_inner(owned: list[tuple[str, nn.Parameter]],
-                              inner: list[tuple[str, FullyShardedDataParallel]]) -> None:
+def _check_not_owned_by_inner(
+    owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, FullyShardedDataParallel]]
+) -> None:
     for path, wrapper in inner:
         for w in wrapper._wrappers():
             for fqn, p in owned:
@@ -672,8 +710,12 @@ def _check_not_owned_by_inner(owned: list[tuple[str, nn.Parameter]],
                     )
 
 
-def _check_dtypes(owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn.Module],
-                  compute_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None) -> None:
+def _check_dtypes(
+    owned: list[tuple[str, nn.Parameter]],
+    module_of: dict[str, nn.Module],
+    compute_dtype: torch.dtype | None,
+    buffer_dtype: torch.dtype | None,
+) -> None:
     if compute_dtype is not None:
         bad = sorted({str(p.dtype) for _, p in owned if p.dtype != compute_dtype})
         if bad:
@@ -682,8 +724,14 @@ def _check_dtypes(owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn
                 f"({', '.join(bad)}); casting to a compute dtype (mixed precision) is not implemented yet"
             )
     if buffer_dtype is not None:
-        bad = sorted({str(b.dtype) for m in module_of.values() for b in m._buffers.values()
-                      if b is not None and b.is_floating_point() and b.dtype != buffer_dtype})
+        bad = sorted(
+            {
+                str(b.dtype)
+                for m in module_of.values()
+                for b in m._buffers.values()
+                if b is not None and b.is_floating_point() and b.dtype != buffer_dtype
+            }
+        )
         if bad:
             raise NotImplementedError(
                 f"FullyShardedDataParallel: buffer_dtype={buffer_dtype} differs from the buffers' dtype "
@@ -691,7 +739,9 @@ def _check_dtypes(owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn
             )
     for fqn, p in owned:
         if not (p.is_floating_point() or p.is_complex()) and p.requires_grad:
-            raise ValueError(f"FullyShardedDataParallel: parameter {fqn!r} has dtype {p.dtype} and requires grad")
+            raise ValueError(
+                f"FullyShardedDataParallel: parameter {fqn!r} has dtype {p.dtype} and requires grad"
+            )
 
 
 def _move_owned_buffers(module: nn.Module, device: torch.device) -> None:
@@ -718,13 +768,16 @@ def _fingerprint(root: FullyShardedDataParallel, wrappers: list[FullyShardedData
     for w in wrappers:
         params = [
             f"{info.fqn}:{tuple(info.shape)}:{str(h.meta.dtype)[6:]}:{'T' if h.requires_grad else 'F'}"
-            for h in w.handles for info in h.meta.params
+            for h in w.handles
+            for info in h.meta.params
         ]
         lines.append(f"{_wrapper_path(root, w)} [{type(w.module).__name__}] " + " ".join(params))
     return lines
 
 
-def _check_same_wrappers_on_all_ranks(root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]) -> None:
+def _check_same_wrappers_on_all_ranks(
+    root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]
+) -> None:
     """Compare a fingerprint of the wrapper tree across ranks; raise on every rank if they differ."""
     group = root.process_group
     if root.world_size == 1:
@@ -739,15 +792,19 @@ def _check_same_wrappers_on_all_ranks(root: FullyShardedDataParallel, wrappers: 
     dist.all_gather_object(everyone, lines, group=group)
     first = next(r for r in range(root.world_size) if digests[r] != digests[0])
     mine, theirs = everyone[0], everyone[first]
-    diff = next((f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(mine, theirs) if a != b),
-                f"rank 0 has {len(mine)} wrappers, rank {first} has {len(theirs)}")
+    diff = next(
+        (f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(mine, theirs) if a != b),
+        f"rank 0 has {len(mine)} wrappers, rank {first} has {len(theirs)}",
+    )
     raise RuntimeError(
         "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
         f"the same way):\n  {diff}"
     )
 
 
-def _check_same_reductions_on_all_ranks(root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]) -> None:
+def _check_same_reductions_on_all_ranks(
+    root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]
+) -> None:
     """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch."""
     handles = [(w, h) for w in wrappers for h in w.handles if h.requires_grad]
     if root.world_size == 1 or not handles:
@@ -757,7 +814,7 @@ def _check_same_reductions_on_all_ranks(root: FullyShardedDataParallel, wrappers
     stats = root._ctx.stats if root._ctx is not None else None
     all_reduce(both, root.process_group, op=dist.ReduceOp.MAX, stats=stats).wait()
     both = both.cpu()
-    hi, lo = both[: len(handles)], -both[len(handles):]
+    hi, lo = both[: len(handles)], -both[len(handles) :]
     differ = [i for i in range(len(handles)) if hi[i] != lo[i]]
     if differ:
         w, h = handles[differ[0]]
@@ -792,4 +849,3 @@ def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None], opaque: list[An
             _visit_tensors(getattr(obj, f.name), fn, opaque)
     elif obj is not None and not isinstance(obj, (int, float, bool, str, bytes, complex)):
         opaque.append(obj)
-

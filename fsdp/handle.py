@@ -20,7 +20,8 @@ before backward runs. Freeing by resizing the *storage* to zero and re-gathering
 storage achieves that: the saved views point at that storage, so the pre-backward all-gather
 refills exactly the memory they read. Writes go to ``_full`` (its own version counter), never
 through ``flat_param``, so autograd's saved-tensor version checks stay quiet. Reading a view while
-its storage is freed would crash, so module attributes are removed whenever the handle reshards.
+its storage is freed would crash, so whenever the handle reshards the module attributes are set to
+placeholders on the meta device: same shape and dtype, no memory, no data to read by mistake.
 
 [Note: gradient stash]
 Between steps ``flat_param.grad`` is shard-shaped. During backward autograd accumulates a
@@ -78,6 +79,7 @@ class FlatParamHandle:
     _full_version: int  # flat_param._version when _full was last known valid
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # in-flight reduce-scatter of this backward
+    _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     reduced_this_backward: bool
 
     def __init__(
@@ -114,10 +116,10 @@ class FlatParamHandle:
         self._saved_grad_shard = None
         self._pending = None
         self.reduced_this_backward = False
-        for info, module in zip(self.meta.params, self.modules, strict=True):
-            module._parameters.pop(info.param_name, None)
-        for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
-            module._parameters.pop(sinfo.param_name, None)
+        self._placeholders = [
+            torch.empty(info.shape, dtype=self.meta.dtype, device="meta") for info in self.meta.params
+        ]
+        self.remove_module_tensors()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -212,16 +214,19 @@ class FlatParamHandle:
             set_module_tensor(module, info.param_name, view, as_parameters)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
             primary = self.modules[sinfo.primary]
-            set_module_tensor(module, sinfo.param_name, getattr(primary, self.meta.params[sinfo.primary].param_name),
-                              as_parameters)
+            set_module_tensor(
+                module,
+                sinfo.param_name,
+                getattr(primary, self.meta.params[sinfo.primary].param_name),
+                as_parameters,
+            )
 
     def remove_module_tensors(self) -> None:
-        for info, module in zip(self.meta.params, self.modules, strict=True):
-            module.__dict__.pop(info.param_name, None)
-            module._parameters.pop(info.param_name, None)
+        """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
+        for info, module, placeholder in zip(self.meta.params, self.modules, self._placeholders, strict=True):
+            set_module_tensor(module, info.param_name, placeholder, as_parameter=False)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
-            module.__dict__.pop(sinfo.param_name, None)
-            module._parameters.pop(sinfo.param_name, None)
+            set_module_tensor(module, sinfo.param_name, self._placeholders[sinfo.primary], as_parameter=False)
 
     # ------------------------------------------------------------------ gradients
     def prepare_gradient_for_backward(self) -> None:

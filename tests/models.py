@@ -21,7 +21,9 @@ class Nested(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(6, 8)
-        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 8)))
+        self.body = nn.Sequential(
+            nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 8))
+        )
         self.out = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,9 @@ CASES: dict[str, ModelCase] = {
         ModelCase("tiny", Tiny, ("small",), _vec, _mean_sq),
         ModelCase("frozen_mixed", FrozenMixed, ("mid",), _vec, _mean_sq),
         ModelCase("called_twice", CalledTwice, ("block",), _vec, _mean_sq),
-        ModelCase("structured_outputs", StructuredOutputs, ("block",), _vec, lambda r: r.logits.pow(2).mean()),
+        ModelCase(
+            "structured_outputs", StructuredOutputs, ("block",), _vec, lambda r: r.logits.pow(2).mean()
+        ),
         ModelCase("tied", Tied, ("mix",), lambda g, n: torch.randint(0, 11, (n, 5), generator=g), _mean_sq),
         ModelCase("buffers", WithBuffers, ("lin",), _vec, _mean_sq),
     ]

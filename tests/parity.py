@@ -39,8 +39,12 @@ def reference_flat(ref: nn.Module, names: list[str], what: str) -> torch.Tensor 
     tensors = [params[n] if what == "param" else params[n].grad for n in names]
     if all(t is None for t in tensors):
         return None
-    return torch.cat([(t if t is not None else torch.zeros_like(params[n])).detach().reshape(-1)
-                      for n, t in zip(names, tensors)])
+    return torch.cat(
+        [
+            (t if t is not None else torch.zeros_like(params[n])).detach().reshape(-1)
+            for n, t in zip(names, tensors)
+        ]
+    )
 
 
 def handles_with_ref_names(model: nn.Module) -> list[tuple[Any, list[str]]]:
@@ -55,8 +59,14 @@ def handles_with_ref_names(model: nn.Module) -> list[tuple[Any, list[str]]]:
     return out
 
 
-def run_parity(case: str, steps: int = 3, per_rank: int = 4, lr: float = 0.1, check_grads: bool = True,
-               **fsdp_kwargs: Any) -> dict[str, float]:
+def run_parity(
+    case: str,
+    steps: int = 3,
+    per_rank: int = 4,
+    lr: float = 0.1,
+    check_grads: bool = True,
+    **fsdp_kwargs: Any,
+) -> dict[str, float]:
     """Train ``steps`` SGD-with-momentum steps; return the largest absolute differences seen."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = CASES[case]
@@ -79,10 +89,14 @@ def run_parity(case: str, steps: int = 3, per_rank: int = 4, lr: float = 0.1, ch
         if check_grads:
             for h, names in handles:
                 expected = reference_flat(ref, names, "grad")
-                assert (h.flat_param.grad is None) == (expected is None), f"gradient presence differs: {names}"
+                assert (h.flat_param.grad is None) == (expected is None), (
+                    f"gradient presence differs: {names}"
+                )
                 if expected is not None:
                     assert h.flat_param.grad.shape == (h.spec.chunk,), "a gradient must be shard-shaped"
-                    diffs["grad"] = max(diffs["grad"], (h.flat_param.grad - shard_of(expected, h)).abs().max().item())
+                    diffs["grad"] = max(
+                        diffs["grad"], (h.flat_param.grad - shard_of(expected, h)).abs().max().item()
+                    )
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -91,9 +105,13 @@ def run_parity(case: str, steps: int = 3, per_rank: int = 4, lr: float = 0.1, ch
         expected = reference_flat(ref, names, "param")
         assert expected is not None
         assert h.flat_param.shape == (h.spec.chunk,), "between steps a flat parameter must be its shard"
-        diffs["param"] = max(diffs["param"], (h.flat_param.detach() - shard_of(expected, h)).abs().max().item())
+        diffs["param"] = max(
+            diffs["param"], (h.flat_param.detach() - shard_of(expected, h)).abs().max().item()
+        )
     sd, ref_sd = model.state_dict(), ref.state_dict()
     assert list(sd) == list(ref_sd), f"state dict keys differ: {list(sd)} vs {list(ref_sd)}"
     for k, v in ref_sd.items():
-        diffs["state_dict"] = max(diffs["state_dict"], (sd[k].float() - v.float()).abs().max().item() if v.numel() else 0.0)
+        diffs["state_dict"] = max(
+            diffs["state_dict"], (sd[k].float() - v.float()).abs().max().item() if v.numel() else 0.0
+        )
     return diffs

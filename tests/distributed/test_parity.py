@@ -9,7 +9,16 @@ from tests.rank_pool import RankPool
 
 TOL = 1e-5
 
-ALL_CASES = ["nested", "root_only", "tiny", "frozen_mixed", "called_twice", "structured_outputs", "tied", "buffers"]
+ALL_CASES = [
+    "nested",
+    "root_only",
+    "tiny",
+    "frozen_mixed",
+    "called_twice",
+    "structured_outputs",
+    "tied",
+    "buffers",
+]
 
 
 def _parity(case: str, kwargs: dict) -> dict[str, float]:

@@ -101,9 +101,14 @@ def _state_dict_roundtrip() -> dict[str, object]:
         strict_msg = str(e)
     result = model.load_state_dict(bad, strict=False)
     return {
-        "keys_equal": keys_equal, "values_equal": values_equal, "plain_equal": plain_equal,
-        "loaded_equal": loaded_equal, "out_equal": out_equal, "strict_msg": strict_msg,
-        "missing": result.missing_keys, "unexpected": result.unexpected_keys,
+        "keys_equal": keys_equal,
+        "values_equal": values_equal,
+        "plain_equal": plain_equal,
+        "loaded_equal": loaded_equal,
+        "out_equal": out_equal,
+        "strict_msg": strict_msg,
+        "missing": result.missing_keys,
+        "unexpected": result.unexpected_keys,
         "fp32": all(v.dtype in (torch.float32, torch.long) for v in sd.values()),
     }
 
@@ -166,12 +171,17 @@ def _summon() -> dict[str, object]:
         inner_sharded = model.module.mix.handles[0].state is MemoryState.SHARDED
         root_full = model.handles[0].state is MemoryState.UNSHARDED
     return {
-        "named": named, "states": {s.name for s in states}, "full_equal": full_equal,
-        "mix_weight": after["mix.weight"], "emb_delta": (after["emb.weight"] - ref.emb.weight).abs().max().item(),
+        "named": named,
+        "states": {s.name for s in states},
+        "full_equal": full_equal,
+        "mix_weight": after["mix.weight"],
+        "emb_delta": (after["emb.weight"] - ref.emb.weight).abs().max().item(),
         "tied_same": after["head.weight"] is after["emb.weight"],
         "bias_kept": torch.equal(after_volatile["mix.bias"], after["mix.bias"]),
-        "flat_shapes_back": [tuple(p.shape) for p in model.parameters()] == [tuple(p.shape) for p in flat_before],
-        "inner_sharded": inner_sharded, "root_full": root_full,
+        "flat_shapes_back": [tuple(p.shape) for p in model.parameters()]
+        == [tuple(p.shape) for p in flat_before],
+        "inner_sharded": inner_sharded,
+        "root_full": root_full,
     }
 
 
@@ -217,8 +227,12 @@ def _apply_and_reset() -> dict[str, object]:
         refused = False
     except RuntimeError as e:
         refused = "allow_reset_parameters=True" in str(e)
-    return {"applied": applied, "reset": not torch.all(sd2["1.weight"] == 0.25).item(),
-            "root_kept": torch.equal(sd2["0.weight"], sd["0.weight"]), "refused": refused}
+    return {
+        "applied": applied,
+        "reset": not torch.all(sd2["1.weight"] == 0.25).item(),
+        "root_kept": torch.equal(sd2["0.weight"], sd["0.weight"]),
+        "refused": refused,
+    }
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
@@ -240,8 +254,10 @@ def _eval_and_no_grad() -> dict[str, float]:
     model.train()
     loss = model(x).sum()
     loss.backward()
-    return {"err": max((a - ref(x)).abs().max().item(), (b - ref(x)).abs().max().item()),
-            "all_sharded": float(all(s is MemoryState.SHARDED for s in states))}
+    return {
+        "err": max((a - ref(x)).abs().max().item(), (b - ref(x)).abs().max().item()),
+        "all_sharded": float(all(s is MemoryState.SHARDED for s in states)),
+    }
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)

@@ -1,0 +1,167 @@
+"""Distributed mistakes fail on every rank with an error that names the problem; none hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.rank_pool import RankFailure, RankPool
+
+
+def _expect(exc_type: type[BaseException], fn, *args, **kwargs) -> str:  # type: ignore[no-untyped-def]
+    """Run fn and return the message of the expected exception (raise if none or another)."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        return str(e)
+    raise AssertionError(f"{exc_type.__name__} was not raised")
+
+
+def _different_wrappers() -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    if dist.get_rank() == 1:
+        model[1] = FSDP(model[1])  # only rank 1 wraps the second layer
+    root = FSDP(model)
+    return _expect(RuntimeError, root, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_ranks_with_different_wrappers_fail_at_first_forward(pool: RankPool) -> None:
+    for msg in pool.run(_different_wrappers, timeout=60):
+        assert "ranks built different FSDP wrappers" in msg and "rank 1" in msg
+
+
+def _second_root() -> str:
+    inner = FSDP(nn.Linear(4, 4))
+    inner(torch.randn(2, 4))  # the inner wrapper runs alone first and becomes a root
+    outer = FSDP(nn.Sequential(inner, nn.Linear(4, 2)))
+    return _expect(RuntimeError, outer, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_inner_wrapper_used_as_a_second_root(pool: RankPool) -> None:
+    for msg in pool.run(_second_root, timeout=60):
+        assert "already ran a forward as a root" in msg and "'0'" in msg
+
+
+def _create_graph() -> str:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4)), nn.Linear(4, 1)))
+    loss = model(torch.randn(2, 4)).sum()
+    return _expect(RuntimeError, loss.backward, create_graph=True)
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_backward_with_create_graph_is_refused(pool: RankPool) -> None:
+    for msg in pool.run(_create_graph, timeout=60):
+        assert "create_graph=True" in msg
+
+
+class _TwoUnits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = FSDP(nn.Linear(4, 4), reshard_after_forward=False)
+        self.b = FSDP(nn.Linear(4, 4), reshard_after_forward=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def _different_reductions() -> str:
+    torch.manual_seed(0)
+    root = FSDP(_TwoUnits())
+    ya, yb = root(torch.randn(2, 4))
+    # rank 1 leaves unit `a` out of its loss: its parameters get no gradient there, but do on rank 0
+    loss = (ya.sum() if dist.get_rank() == 0 else 0) + yb.sum()
+    return _expect(RuntimeError, loss.backward)
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_ranks_reducing_different_parameters_fail_on_all_ranks(pool: RankPool) -> None:
+    try:
+        for msg in pool.run(_different_reductions, timeout=60):
+            assert "ranks disagree on which parameters got gradients" in msg
+    finally:
+        pool.close()  # a reduce-scatter was left unmatched: start the next test on fresh ranks
+
+
+def _tied_across_wrappers() -> str:
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(FSDP(emb), head)
+    return _expect(ValueError, FSDP, model)
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_tied_parameter_across_wrappers_is_refused(pool: RankPool) -> None:
+    (msg,) = pool.run(_tied_across_wrappers)
+    assert (
+        "'1.weight'" in msg and "'weight'" in msg and "'0'" in msg and "same FullyShardedDataParallel" in msg
+    )
+
+
+class _Opaque:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _ReturnsOpaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Opaque:
+        return _Opaque(self.lin(x))
+
+
+def _opaque_output() -> str:
+    model = FSDP(_ReturnsOpaque())
+    return _expect(TypeError, model, torch.randn(2, 4))
+
+
+def _forward_inside_summon() -> str:
+    model = FSDP(nn.Linear(4, 4))
+    with model.summon_full_params():
+        return _expect(RuntimeError, model, torch.randn(2, 4))
+
+
+def _scalar_and_unused_outputs() -> float:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * self.s, (x * self.s).detach()
+
+    model = FSDP(M())
+    out, _ = model(torch.ones(3))
+    out.sum().backward()
+    return model.params[0].grad.sum().item()
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_single_process_misuse_messages(pool: RankPool) -> None:
+    for msg in pool.run(_opaque_output):
+        assert "cannot find the tensors in the output" in msg and "_Opaque" in msg
+    for msg in pool.run(_forward_inside_summon):
+        assert "expected training state IDLE" in msg and "SUMMON_FULL_PARAMS" in msg
+    # a scalar parameter shards (rank 1 holds only padding) and trains: d(sum(x*s))/ds = 3, averaged
+    grads = pool.run(_scalar_and_unused_outputs)
+    assert sum(grads) == pytest.approx(3.0)
+
+
+def _raises_on_one_rank() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("only rank 1")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_pool_fails_fast_when_one_rank_raises(pool: RankPool) -> None:
+    with pytest.raises(RankFailure, match="only rank 1"):
+        pool.run(_raises_on_one_rank, timeout=60)

@@ -1,0 +1,169 @@
+"""A fairscale user changes one import: same constructor, same methods; unbuilt options refuse loudly."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp
+from fsdp import FSDP, FullyShardedDataParallel, ProcessGroupName, TrainingState
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+
+FAIRSCALE_METHODS = [
+    "summon_full_params",
+    "state_dict",
+    "load_state_dict",
+    "local_state_dict",
+    "load_local_state_dict",
+    "clip_grad_norm_",
+    "no_sync",
+    "gather_full_optim_state_dict",
+    "get_shard_from_optim_state_dict",
+    "consolidate_shard_weights",
+    "local_metadata_dict",
+    "assert_state",
+    "set_gradient_divide_factors",
+    "apply",
+    "forward",
+    "reset_parameters",
+]
+
+
+def _params(fn: object) -> list[tuple[str, object]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+
+def test_alias_and_public_names() -> None:
+    assert FSDP is FullyShardedDataParallel
+    assert {"FSDP", "FullyShardedDataParallel", "ProcessGroupName", "TrainingState"} <= set(fsdp.__all__)
+    assert [s.name for s in TrainingState] == [
+        "IDLE",
+        "FORWARD",
+        "BACKWARD_PRE",
+        "BACKWARD_POST",
+        "SUMMON_FULL_PARAMS",
+    ]
+
+
+def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
+    ours, theirs = _params(FullyShardedDataParallel.__init__), _params(FairscaleFSDP.__init__)
+    assert [n for n, _ in ours] == [n for n, _ in theirs]
+    for (name, default), (_, ref_default) in zip(ours, theirs):
+        if name == "process_group_reduce_scatter":
+            assert default.value == ref_default.value == "reduce_scatter"
+        else:
+            assert default == ref_default, name
+
+
+@pytest.mark.parametrize("name", FAIRSCALE_METHODS)
+def test_methods_take_fairscale_arguments(name: str) -> None:
+    ours = [n for n, _ in _params(getattr(FullyShardedDataParallel, name))]
+    theirs = [n for n, _ in _params(getattr(FairscaleFSDP, name))]
+    # our state_dict / load_state_dict accept torch's keyword arguments besides fairscale's *args/**kwargs
+    if name in ("state_dict", "local_state_dict", "load_local_state_dict"):
+        return
+    assert ours[: len(theirs)] == theirs, name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mixed_precision": True},
+        {"fp32_reduce_scatter": True},
+        {"move_params_to_cpu": True},
+        {"cpu_offload": True},
+        {"move_grads_to_cpu": True},
+        {"clear_autocast_cache": True},
+        {"force_input_to_fp32": True},
+        {"compute_dtype": torch.bfloat16},
+        {"buffer_dtype": torch.float16},
+    ],
+    ids=lambda k: next(iter(k)),
+)
+def test_unbuilt_options_raise_naming_the_option(single_rank_group: None, kwargs: dict) -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    name = next(iter(kwargs))
+    with pytest.raises(NotImplementedError, match=name):
+        FSDP(module, **kwargs)
+    # nothing was flattened: the module is intact
+    assert [n for n, _ in module.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_equal_dtypes_are_accepted(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2), compute_dtype=torch.float32, buffer_dtype=torch.float32)
+    assert model(torch.ones(1, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward"),
+        ({"bucket_cap_mb": -1}, ValueError, "bucket_cap_mb"),
+        ({"gradient_predivide_factor": -2.0}, ValueError, "gradient_predivide_factor"),
+        ({"process_group_reduce_scatter": "nope"}, TypeError, "process_group_reduce_scatter"),
+    ],
+)
+def test_invalid_values(single_rank_group: None, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        FSDP(nn.Linear(2, 2), **kwargs)
+
+
+def test_parameters_on_two_devices_are_refused(single_rank_group: None) -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"several devices.*cpu.*meta"):
+        FSDP(module)
+
+
+def test_not_a_module(single_rank_group: None) -> None:
+    with pytest.raises(TypeError, match=r"wraps an nn\.Module"):
+        FSDP(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_default_process_group_names(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2), process_group_reduce_scatter=ProcessGroupName.default)
+    assert model.config.comm.process_group_reduce_scatter is model.process_group
+
+
+def test_attribute_and_item_forwarding_and_repr(single_rank_group: None) -> None:
+    inner = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    inner.custom_flag = 7  # type: ignore[assignment]
+    model = FSDP(inner, verbose=True)
+    assert model.custom_flag == 7
+    assert model[1] is inner[1] and model.module is inner
+    text = repr(model)
+    assert (
+        "world_size=1" in text and "flat_params=1" in text and "numel=16" in text and "is_root=None" in text
+    )
+    with pytest.raises(AttributeError):
+        model.does_not_exist  # noqa: B018
+
+
+def test_assert_state(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2))
+    model.assert_state(TrainingState.IDLE)
+    model.assert_state([TrainingState.FORWARD, TrainingState.IDLE])
+    with pytest.raises(RuntimeError, match="expected training state FORWARD"):
+        model.assert_state(TrainingState.FORWARD)
+
+
+def test_frozen_integer_parameters_are_kept_and_trainable_ones_refused(single_rank_group: None) -> None:
+    m = nn.Linear(2, 2)
+    m.register_parameter("idx", nn.Parameter(torch.arange(3), requires_grad=False))
+    model = FSDP(m)
+    with model.summon_full_params():
+        assert torch.equal(model.module.idx, torch.arange(3))
+
+
+def test_without_process_group_the_error_says_how_to_fix() -> None:
+    code = "import torch; from fsdp import FSDP; FSDP(torch.nn.Linear(2, 2))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "init_process_group" in proc.stderr
