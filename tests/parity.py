@@ -67,21 +67,35 @@ def run_parity(
     check_grads: bool = True,
     **fsdp_kwargs: Any,
 ) -> dict[str, float]:
-    """Train ``steps`` SGD-with-momentum steps; return the largest absolute differences seen."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Train ``steps`` SGD-with-momentum steps of a named case; return the largest differences seen."""
     spec = CASES[case]
     ref = build(case)
     model = wrap(copy.deepcopy(ref), spec.wrap, **fsdp_kwargs)
+    return compare_training(ref, model, spec.make_input, spec.loss, steps, per_rank, lr, check_grads)
+
+
+def compare_training(
+    ref: nn.Module,
+    model: nn.Module,
+    make_input: Any,
+    loss_fn: Any,
+    steps: int = 3,
+    per_rank: int = 4,
+    lr: float = 0.1,
+    check_grads: bool = True,
+) -> dict[str, float]:
+    """Train the wrapped ``model`` and the plain ``ref`` side by side; return the largest differences."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     handles = handles_with_ref_names(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=lr, momentum=0.9)
     diffs = {"loss": 0.0, "grad": 0.0, "param": 0.0, "state_dict": 0.0}
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 + step)
-        batch = spec.make_input(g, per_rank * world)
-        loss = spec.loss(model(_slice(batch, rank, per_rank)))
+        batch = make_input(g, per_rank * world)
+        loss = loss_fn(model(_slice(batch, rank, per_rank)))
         loss.backward()
-        ref_loss = spec.loss(ref(batch))
+        ref_loss = loss_fn(ref(batch))
         ref_loss.backward()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
