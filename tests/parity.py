@@ -25,7 +25,11 @@ def _slice(batch: Any, rank: int, per_rank: int) -> Any:
 
 def shard_of(full_flat: torch.Tensor, handle: Any) -> torch.Tensor:
     """The slice of a reference flat tensor that ``handle`` holds on this rank."""
-    padded = torch.zeros(padded_numel(full_flat.numel(), handle.spec.world_size), dtype=full_flat.dtype)
+    padded = torch.zeros(
+        padded_numel(full_flat.numel(), handle.spec.world_size),
+        dtype=full_flat.dtype,
+        device=full_flat.device,
+    )
     padded[: full_flat.numel()] = full_flat
     return padded[handle.spec.start : handle.spec.end]
 
