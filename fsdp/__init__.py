@@ -3,9 +3,17 @@
 Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the design.
 """
 
-from fsdp.api import ProcessGroupName, TrainingState
+from fsdp.api import MixedPrecision, ProcessGroupName, TrainingState
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel
+from fsdp.sharded_grad_scaler import ShardedGradScaler
 
-__all__ = ["FSDP", "FullyShardedDataParallel", "ProcessGroupName", "TrainingState"]
+__all__ = [
+    "FSDP",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ProcessGroupName",
+    "ShardedGradScaler",
+    "TrainingState",
+]
 
 __version__ = "0.1.0"

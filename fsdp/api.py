@@ -18,6 +18,7 @@ __all__ = [
     "CommConfig",
     "FSDPConfig",
     "MemoryState",
+    "MixedPrecision",
     "PrecisionConfig",
     "ProcessGroupName",
     "ShardingConfig",
@@ -78,22 +79,68 @@ class ShardingConfig:
             _check_bool(name, getattr(self, name))
 
 
-@dataclass(frozen=True)
-class PrecisionConfig:
-    """Dtypes of compute, buffers and reductions. Only full precision is built so far."""
+_LOW_OR_FULL = (torch.float16, torch.bfloat16, torch.float32)
 
-    compute_dtype: torch.dtype | None = None
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed precision in the style of torch FSDP; accepted as ``mixed_precision=`` by the wrapper.
+
+    The fp32 shard stays the master copy the optimizer updates. Before the all-gather it is cast to
+    ``param_dtype`` (so the all-gather moves ``param_dtype`` bytes) and compute runs in it.
+    Gradients are reduced in ``reduce_dtype`` (default: ``param_dtype``) and land on the shard as
+    fp32. Floating-point buffers are kept in ``buffer_dtype`` (default: ``param_dtype``). With
+    ``cast_forward_inputs`` the root casts floating-point inputs to ``param_dtype``.
+
+    ``mixed_precision=True`` with fairscale's flags maps onto
+    ``MixedPrecision(compute_dtype or float16, float32 if fp32_reduce_scatter else None,
+    buffer_dtype, cast_forward_inputs=True)``.
+    """
+
+    param_dtype: torch.dtype = torch.float16
+    reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
-    force_input_to_fp32: bool = False
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        _check_bool("force_input_to_fp32", self.force_input_to_fp32)
-        for name in ("compute_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, torch.dtype):
-                raise TypeError(
-                    f"FullyShardedDataParallel: `{name}` must be a torch.dtype or None, got {value!r}"
+            if value is None and name != "param_dtype":
+                continue
+            if value not in _LOW_OR_FULL:
+                raise ValueError(
+                    f"MixedPrecision: `{name}` must be torch.float16, torch.bfloat16 or torch.float32, got {value!r}"
                 )
+        _check_bool("cast_forward_inputs", self.cast_forward_inputs)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Resolved dtypes of one wrapper.
+
+    ``param_dtype`` None means no casting: parameters are gathered and used in their own dtype
+    (full precision, or pure fp16/bf16 when the parameters themselves are low precision).
+    """
+
+    param_dtype: torch.dtype | None = None  # dtype of the all-gather and of compute
+    reduce_dtype: torch.dtype | None = None  # dtype of the gradient reduction (None: gradient dtype)
+    buffer_dtype: torch.dtype | None = None  # floating-point buffers are cast to this (None: kept)
+    cast_forward_inputs: bool = False  # the root casts floating inputs to param_dtype
+    force_input_to_fp32: bool = False  # every wrapper casts fp16/bf16 inputs to fp32 (full precision)
+    clear_autocast_cache: bool = False  # clear torch.autocast's weight cache after each forward
+
+    def __post_init__(self) -> None:
+        for name in ("cast_forward_inputs", "force_input_to_fp32", "clear_autocast_cache"):
+            _check_bool(name, getattr(self, name))
+        if self.force_input_to_fp32 and self.param_dtype is not None:
+            raise ValueError(
+                "FullyShardedDataParallel: force_input_to_fp32=True is for full precision; it cannot be combined "
+                "with mixed precision. Drop one of them"
+            )
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_dtype is not None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from fsdp.api import (
     CommConfig,
     FSDPConfig,
     MemoryState,
-    PrecisionConfig,
+    MixedPrecision,
     ProcessGroupName,
     ShardingConfig,
     StateDictConfig,
@@ -45,6 +45,7 @@ from fsdp.api import (
 from fsdp.collectives import CommStats, all_reduce, get_process_group_cached
 from fsdp.flat_param import group_params
 from fsdp.handle import FlatParamHandle
+from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
@@ -109,6 +110,7 @@ class FullyShardedDataParallel(nn.Module):
     _reshard_after_forward: bool  # effective value (the root may override the config)
     _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
+    _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
 
     def __init__(
         self,
@@ -117,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
         process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter,
         reshard_after_forward: bool = True,
         disable_reshard_on_root: bool = True,
-        mixed_precision: bool = False,
+        mixed_precision: bool | MixedPrecision = False,
         fp32_reduce_scatter: bool = False,
         flatten_parameters: bool = True,
         move_params_to_cpu: bool = False,
@@ -145,13 +147,9 @@ class FullyShardedDataParallel(nn.Module):
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
             )
         _reject_unbuilt(
-            mixed_precision=mixed_precision,
-            fp32_reduce_scatter=fp32_reduce_scatter,
             move_params_to_cpu=move_params_to_cpu,
             cpu_offload=cpu_offload,
             move_grads_to_cpu=move_grads_to_cpu,
-            clear_autocast_cache=clear_autocast_cache,
-            force_input_to_fp32=force_input_to_fp32,
         )
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None
@@ -179,11 +177,19 @@ class FullyShardedDataParallel(nn.Module):
         device = (
             torch.device(compute_device) if compute_device is not None else default_compute_device(devices)
         )
-        _check_dtypes(owned, module_of, compute_dtype, buffer_dtype)
+        precision = resolve_precision(
+            mixed_precision,
+            compute_dtype,
+            buffer_dtype,
+            fp32_reduce_scatter,
+            force_input_to_fp32,
+            clear_autocast_cache,
+            owned,
+        )
 
         self.config = FSDPConfig(
             sharding=ShardingConfig(reshard_after_forward, disable_reshard_on_root, flatten_parameters),
-            precision=PrecisionConfig(compute_dtype, buffer_dtype, force_input_to_fp32),
+            precision=precision,
             comm=CommConfig(group, rs_group, world_size, rank, float(bucket_cap_mb), pre, world_size / pre),
             state_dict=StateDictConfig(
                 torch.device(state_dict_device) if state_dict_device is not None else None,
@@ -200,12 +206,24 @@ class FullyShardedDataParallel(nn.Module):
         stats = CommStats()
         self.handles = []
         for entries, shared in group_params(owned, flatten_parameters):
-            handle = FlatParamHandle(entries, shared, module_of, self.config.comm, device, stats)
+            handle = FlatParamHandle(
+                entries,
+                shared,
+                module_of,
+                self.config.comm,
+                device,
+                stats,
+                precision.param_dtype,
+                precision.reduce_dtype,
+            )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
         self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in owned})
         self._original_names = {id(p): fqn for fqn, p in owned}
-        _move_owned_buffers(module, device)
+        # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
+        self._buffer_dtypes = move_owned_buffers(
+            module, device, precision.buffer_dtype, lambda m: isinstance(m, FullyShardedDataParallel)
+        )
         for handle in self.handles:
             if handle.requires_grad:
                 handle.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
@@ -331,6 +349,13 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         self.assert_state(TrainingState.IDLE)
         grad_enabled = torch.is_grad_enabled()
+        precision = self.config.precision
+        if self._is_root and precision.mixed and precision.cast_forward_inputs:
+            assert precision.param_dtype is not None
+            args, kwargs = cast_inputs((args, kwargs), torch.float32, precision.param_dtype, detach=True)
+        if precision.force_input_to_fp32:
+            for low in (torch.float16, torch.bfloat16):
+                args, kwargs = cast_inputs((args, kwargs), low, torch.float32, detach=False)
         with self._state(TrainingState.FORWARD):
             try:
                 for h in self.handles:
@@ -344,6 +369,8 @@ class FullyShardedDataParallel(nn.Module):
                     h.reshard(free_full=not keep_full)
             if grad_enabled:
                 self._register_pre_backward_hooks(outputs)
+        if precision.clear_autocast_cache:
+            torch.clear_autocast_cache()
         return outputs
 
     def _register_pre_backward_hooks(self, outputs: Any) -> None:
@@ -456,7 +483,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _show_full_params(self) -> None:
         for h in self.handles:
-            h.unshard()
+            h.unshard(full_precision=True)
             h.use_full_views(as_parameters=True)
         for m, order in self._module_param_order.items():  # registration order as before wrapping
             params = dict(m._parameters)
@@ -548,6 +575,11 @@ class FullyShardedDataParallel(nn.Module):
                         key = prefix + sinfo.fqn
                         if key in destination:
                             _put(destination, key, clones.get(sinfo.primary))
+                for name, dtype in self._buffer_dtypes.items():
+                    key = prefix + name
+                    value = destination.get(key)
+                    if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                        destination[key] = value.to(dtype)
             finally:
                 self._hide_full_params(write_back=False)
         if top:
@@ -708,52 +740,6 @@ def _check_not_owned_by_inner(
                         f"inner wrapper at {path!r}; a tied (shared) parameter must be owned by one wrapper. Put both "
                         "modules that use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
                     )
-
-
-def _check_dtypes(
-    owned: list[tuple[str, nn.Parameter]],
-    module_of: dict[str, nn.Module],
-    compute_dtype: torch.dtype | None,
-    buffer_dtype: torch.dtype | None,
-) -> None:
-    if compute_dtype is not None:
-        bad = sorted({str(p.dtype) for _, p in owned if p.dtype != compute_dtype})
-        if bad:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: compute_dtype={compute_dtype} differs from the parameters' dtype "
-                f"({', '.join(bad)}); casting to a compute dtype (mixed precision) is not implemented yet"
-            )
-    if buffer_dtype is not None:
-        bad = sorted(
-            {
-                str(b.dtype)
-                for m in module_of.values()
-                for b in m._buffers.values()
-                if b is not None and b.is_floating_point() and b.dtype != buffer_dtype
-            }
-        )
-        if bad:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: buffer_dtype={buffer_dtype} differs from the buffers' dtype "
-                f"({', '.join(bad)}); casting buffers is not implemented yet"
-            )
-    for fqn, p in owned:
-        if not (p.is_floating_point() or p.is_complex()) and p.requires_grad:
-            raise ValueError(
-                f"FullyShardedDataParallel: parameter {fqn!r} has dtype {p.dtype} and requires grad"
-            )
-
-
-def _move_owned_buffers(module: nn.Module, device: torch.device) -> None:
-    def visit(m: nn.Module) -> None:
-        for name, b in m._buffers.items():
-            if b is not None and b.device != device:
-                m._buffers[name] = b.to(device)
-        for child in m._modules.values():
-            if child is not None and not isinstance(child, FullyShardedDataParallel):
-                visit(child)
-
-    visit(module)
 
 
 def _wrapper_path(root: nn.Module, wrapper: nn.Module) -> str:

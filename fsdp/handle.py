@@ -8,10 +8,15 @@ the optimizer holds):
 - ``_full``: the padded full flat tensor, shape ``(padded_numel,)``. Its storage is freed
   (``untyped_storage().resize_(0)``) while the handle is SHARDED and re-allocated in place before
   every all-gather. See [Note: storage resize].
-- ``flat_param.data`` is ``_shard`` while SHARDED and ``_full`` while UNSHARDED. Between training
-  steps every handle is SHARDED, so the optimizer sees and updates only the local shard.
+- ``flat_param.data`` is ``_shard`` while SHARDED and ``_active`` (normally ``_full``) while
+  UNSHARDED. Between training steps every handle is SHARDED, so the optimizer sees and updates only
+  the local shard.
 
-At world size 1, ``_full`` *is* ``_shard`` (no copy, nothing freed).
+Under mixed precision ``_full`` is in the compute dtype (fp16/bf16) and is gathered from
+``_lp_shard``, a compute-dtype copy of the shard made just before the all-gather, so the wire
+carries half the bytes of fp32; ``summon_full_params`` and ``state_dict`` instead gather the fp32
+shards into ``_full_precision`` (``_active`` then points there). Both extra buffers are freed
+like ``_full``. At world size 1 without casting, ``_full`` *is* ``_shard`` (no copy, nothing freed).
 
 [Note: storage resize]
 Autograd saves views of the full parameter for backward (e.g. a Linear saves its weight). When
@@ -65,16 +70,21 @@ def _alloc_storage(t: torch.Tensor) -> None:
 
 
 class FlatParamHandle:
-    """Owns one flat parameter: shard, full buffer, gradient stash, pending reduction."""
+    """Owns one flat parameter: shard, full buffers, gradient stash, pending reduction."""
 
     meta: FlatParamMeta  # layout of the original parameters in the flat tensor
     spec: ShardSpec  # this rank's chunk of the padded flat tensor
     modules: list[nn.Module]  # owning module of each meta.params[i]
     shared_modules: list[nn.Module]  # owning module of each meta.shared[i]
-    flat_param: nn.Parameter  # .data: _shard (SHARDED) or _full (UNSHARDED)
+    flat_param: nn.Parameter  # .data: _shard (SHARDED) or _active (UNSHARDED)
     state: MemoryState
-    _shard: torch.Tensor  # (chunk,) local fp32 shard
-    _full: torch.Tensor  # (padded_numel,) full buffer; storage freed while SHARDED
+    compute_dtype: torch.dtype  # dtype of the all-gather and of compute
+    reduce_dtype: torch.dtype | None  # dtype of the gradient reduce-scatter (None: the gradient's)
+    _shard: torch.Tensor  # (chunk,) local master shard, meta.dtype (fp32 under mixed precision)
+    _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype copy of the shard for the all-gather; freed
+    _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
+    _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
+    _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
     _full_valid: bool  # _full holds the gathered values of the current _shard
     _full_version: int  # flat_param._version when _full was last known valid
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
@@ -90,6 +100,8 @@ class FlatParamHandle:
         comm: CommConfig,
         device: torch.device,
         stats: CommStats,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.meta = make_meta(entries, shared)
         self.comm = comm
@@ -97,21 +109,32 @@ class FlatParamHandle:
         self.spec = shard_spec(self.meta.numel, comm.world_size, comm.rank)
         self.modules = [module_of[p.module_name] for p in self.meta.params]
         self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
+        self.compute_dtype = param_dtype if param_dtype is not None else self.meta.dtype
+        self.reduce_dtype = reduce_dtype
         with torch.no_grad():
             flat = flatten_tensors([e.param.to(device) for e in entries])
             padded = torch.zeros(self.spec.padded_numel, dtype=flat.dtype, device=device)
             padded[: flat.numel()].copy_(flat)
             del flat
-        if comm.world_size == 1:
-            self._shard = padded
-            self._full = padded
+        if comm.world_size == 1 and not self.mixed:
+            self._shard = self._full = padded
         else:
             self._shard = padded[self.spec.start : self.spec.end].clone()
-            self._full = padded
+            if self.mixed:
+                self._full = torch.empty(self.spec.padded_numel, dtype=self.compute_dtype, device=device)
+            else:
+                self._full = padded
             _free_storage(self._full)
+        self._full_precision = self._lp_shard = None
+        if self.mixed:
+            self._full_precision = padded
+            _free_storage(self._full_precision)
+            self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
+            _free_storage(self._lp_shard)
+        self._active = self._full
         self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
         self.state = MemoryState.SHARDED
-        self._full_valid = comm.world_size == 1
+        self._full_valid = self.aliased
         self._full_version = -1
         self._saved_grad_shard = None
         self._pending = None
@@ -124,8 +147,13 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ properties
     @property
     def aliased(self) -> bool:
-        """World size 1: the full parameter is the shard itself."""
+        """World size 1 without casting: the full parameter is the shard itself."""
         return self._full is self._shard
+
+    @property
+    def mixed(self) -> bool:
+        """Compute runs in a lower precision than the master shard."""
+        return self.compute_dtype != self.meta.dtype
 
     @property
     def requires_grad(self) -> bool:
@@ -138,24 +166,49 @@ class FlatParamHandle:
     def full_data(self) -> torch.Tensor:
         """The unpadded full flat tensor. Only valid while UNSHARDED."""
         assert self.state is MemoryState.UNSHARDED, "full data read while sharded"
-        return self._full[: self.meta.numel]
+        return self._active[: self.meta.numel]
 
     # ------------------------------------------------------------------ verbs
-    def unshard(self) -> None:
+    def unshard(self, full_precision: bool = False) -> None:
         """All-gather the full flat parameter and make it ``flat_param.data``. Collective.
 
-        Skipped when the full buffer still holds the current shard's values (kept after a forward
-        with ``reshard_after_forward=False``, and not invalidated by an in-place update since).
+        In compute precision (forward, backward) the shard is first cast to the compute dtype, so
+        the all-gather moves compute-dtype bytes; the gather is skipped when the full buffer still
+        holds the current shard's values (kept after a forward with ``reshard_after_forward=False``
+        and not invalidated by an in-place update since). With ``full_precision`` (summon, state
+        dict) the master shards are gathered instead.
         """
         if self.state is MemoryState.UNSHARDED:
+            assert not (full_precision and self.mixed and self._active is self._full), (
+                "unsharded in compute dtype"
+            )
             return
         self._adopt_user_data()
-        if not self.aliased and not (self._full_valid and self._full_version == self.flat_param._version):
-            _alloc_storage(self._full)
-            all_gather(self._full, self._shard, self.comm.process_group, self.stats).wait()
-        self._full_valid = True
-        self.flat_param.data = self._full
+        if full_precision and self._full_precision is not None:
+            buf = self._full_precision
+            _alloc_storage(buf)
+            all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
+        else:
+            buf = self._full
+            if not self.aliased and not (self._full_valid and self._full_version == self.flat_param._version):
+                _alloc_storage(buf)
+                self._gather_compute_(buf)
+            self._full_valid = True
+        self._active = buf
+        self.flat_param.data = buf
         self.state = MemoryState.UNSHARDED
+
+    def _gather_compute_(self, buf: torch.Tensor) -> None:
+        if self._lp_shard is None:
+            all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
+            return
+        if self.comm.world_size == 1:
+            buf.copy_(self._shard)  # cast
+            return
+        _alloc_storage(self._lp_shard)
+        self._lp_shard.copy_(self._shard)  # cast before the all-gather: half the bytes on the wire
+        all_gather(buf, self._lp_shard, self.comm.process_group, self.stats).wait()
+        _free_storage(self._lp_shard)
 
     def reshard(self, free_full: bool = True) -> None:
         """Point ``flat_param.data`` back at the shard; free the full buffer unless told to keep it."""
@@ -166,9 +219,12 @@ class FlatParamHandle:
         self.flat_param.data = self._shard
         self.state = MemoryState.SHARDED
         self.remove_module_tensors()
+        if self._full_precision is not None:
+            _free_storage(self._full_precision)
+        self._active = self._full
         if free_full:
             self._free_full()
-        else:
+        elif self._full_valid:
             self._full_version = self.flat_param._version
 
     def _free_full(self) -> None:
@@ -179,24 +235,26 @@ class FlatParamHandle:
     def _adopt_user_data(self) -> None:
         """Follow a user who replaced ``flat_param.data`` between steps (e.g. ``p.data = t``)."""
         data = self.flat_param.data
-        if data.data_ptr() != self._shard.data_ptr() or data.shape != self._shard.shape:
-            if data.shape != self._shard.shape:
-                raise RuntimeError(
-                    f"FullyShardedDataParallel: a flat parameter's data was replaced by a tensor of shape "
-                    f"{tuple(data.shape)}; it must keep its local shard shape {tuple(self._shard.shape)}"
-                )
-            self._shard = data
-            if self.aliased or self.comm.world_size == 1:
-                self._full = data
-            self._full_valid = self.comm.world_size == 1
+        if data.data_ptr() == self._shard.data_ptr() and data.shape == self._shard.shape:
+            return
+        if data.shape != self._shard.shape or data.dtype != self._shard.dtype:
+            raise RuntimeError(
+                "FullyShardedDataParallel: a flat parameter's data was replaced by a tensor of shape "
+                f"{tuple(data.shape)} and dtype {data.dtype}; it must keep its local shard's shape "
+                f"{tuple(self._shard.shape)} and dtype {self._shard.dtype}"
+            )
+        if self.aliased:
+            self._full = data
+        self._shard = data
+        self._full_valid = self.aliased
 
     def write_back_(self) -> None:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
         assert self.state is MemoryState.UNSHARDED
         if not self.aliased:
             with torch.no_grad():
-                self._shard.copy_(self._full[self.spec.start : self.spec.end])
-        self._full_version = -1  # the shard changed under the full buffer's feet: never reuse it
+                self._shard.copy_(self._active[self.spec.start : self.spec.end])
+            self._full_valid = False  # the shard changed under the compute buffer's feet
 
     # ------------------------------------------------------------------ module attributes
     def use_full_views(self, as_parameters: bool) -> None:
@@ -206,7 +264,7 @@ class FlatParamHandle:
         ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
         """
         assert self.state is MemoryState.UNSHARDED
-        source = self._full[: self.meta.numel] if as_parameters else self.flat_param[: self.meta.numel]
+        source = self._active[: self.meta.numel] if as_parameters else self.flat_param[: self.meta.numel]
         views = unflatten_views(source, self.meta)
         for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
             if as_parameters:
@@ -232,7 +290,7 @@ class FlatParamHandle:
     def prepare_gradient_for_backward(self) -> None:
         """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
         grad = self.flat_param.grad
-        if grad is None or grad.shape == self.flat_param.shape:
+        if grad is None or (grad.shape == self.flat_param.shape and grad.dtype == self.flat_param.dtype):
             return
         assert self._saved_grad_shard is None, "gradient stashed twice in one backward"
         self._saved_grad_shard = grad
@@ -248,6 +306,8 @@ class FlatParamHandle:
         grad = self.flat_param.grad
         assert grad is not None and grad.shape == self._full.shape, "post-backward without a full gradient"
         self.flat_param.grad = None
+        if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
         grad = grad.contiguous()
         if self.comm.gradient_predivide_factor != 1:
             grad.div_(self.comm.gradient_predivide_factor)
@@ -267,6 +327,7 @@ class FlatParamHandle:
         self._pending = None
         if self.comm.gradient_postdivide_factor != 1:
             out.div_(self.comm.gradient_postdivide_factor)
+        out = out.to(self.meta.dtype)  # gradients always land on the master shard in its dtype
         if self._saved_grad_shard is not None:
             out = self._saved_grad_shard.add_(out)
             self._saved_grad_shard = None

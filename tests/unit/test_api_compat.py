@@ -77,15 +77,9 @@ def test_methods_take_fairscale_arguments(name: str) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"mixed_precision": True},
-        {"fp32_reduce_scatter": True},
         {"move_params_to_cpu": True},
         {"cpu_offload": True},
         {"move_grads_to_cpu": True},
-        {"clear_autocast_cache": True},
-        {"force_input_to_fp32": True},
-        {"compute_dtype": torch.bfloat16},
-        {"buffer_dtype": torch.float16},
     ],
     ids=lambda k: next(iter(k)),
 )

@@ -1,0 +1,143 @@
+"""Mixed precision: resolving the dtype options, casting inputs and buffers.
+
+The casting of flat-parameter shards before the all-gather, and of gradients around the
+reduction, lives with the tensors in :mod:`fsdp.handle`; see [Note: flat parameter data].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp.api import MixedPrecision, PrecisionConfig
+
+__all__ = ["cast_inputs", "move_owned_buffers", "resolve_precision"]
+
+
+def resolve_precision(
+    mixed_precision: Any,
+    compute_dtype: torch.dtype | None,
+    buffer_dtype: torch.dtype | None,
+    fp32_reduce_scatter: bool,
+    force_input_to_fp32: bool,
+    clear_autocast_cache: bool,
+    owned: list[tuple[str, nn.Parameter]],
+) -> PrecisionConfig:
+    """Map fairscale's flags (or a MixedPrecision) onto one validated PrecisionConfig."""
+    for name, value in (("compute_dtype", compute_dtype), ("buffer_dtype", buffer_dtype)):
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(
+                f"FullyShardedDataParallel: `{name}` must be a torch.dtype or None, got {value!r}"
+            )
+    if isinstance(mixed_precision, MixedPrecision):
+        if compute_dtype is not None or buffer_dtype is not None or fp32_reduce_scatter:
+            raise ValueError(
+                "FullyShardedDataParallel: pass either mixed_precision=MixedPrecision(...) or fairscale's "
+                "compute_dtype / buffer_dtype / fp32_reduce_scatter, not both"
+            )
+        mp: MixedPrecision | None = mixed_precision
+    elif mixed_precision is True:
+        mp = MixedPrecision(
+            param_dtype=compute_dtype or torch.float16,
+            reduce_dtype=torch.float32 if fp32_reduce_scatter else None,
+            buffer_dtype=buffer_dtype,
+            cast_forward_inputs=True,
+        )
+    elif mixed_precision is False or mixed_precision is None:
+        mp = None
+    else:
+        raise TypeError(
+            f"FullyShardedDataParallel: `mixed_precision` must be a bool or fsdp.MixedPrecision, got {mixed_precision!r}"
+        )
+    if mp is None:
+        if fp32_reduce_scatter:
+            raise ValueError(
+                "FullyShardedDataParallel: fp32_reduce_scatter=True only applies with mixed_precision=True "
+                "(full-precision gradients are already reduced in fp32); drop it or enable mixed precision"
+            )
+        if compute_dtype is not None:
+            bad = sorted(
+                {str(p.dtype) for _, p in owned if p.is_floating_point() and p.dtype != compute_dtype}
+            )
+            if bad:
+                raise ValueError(
+                    f"FullyShardedDataParallel: compute_dtype={compute_dtype} with mixed_precision=False means the "
+                    f"parameters already are {compute_dtype} (pure low precision), but some are {', '.join(bad)}. "
+                    "Pass mixed_precision=True to keep fp32 master weights and compute in that dtype, or convert "
+                    "the module first"
+                )
+        for fqn, p in owned:
+            if not (p.is_floating_point() or p.is_complex()) and p.requires_grad:
+                raise ValueError(
+                    f"FullyShardedDataParallel: parameter {fqn!r} has dtype {p.dtype} and requires grad"
+                )
+        return PrecisionConfig(None, None, buffer_dtype, False, force_input_to_fp32, clear_autocast_cache)
+    for fqn, p in owned:
+        if p.dtype != torch.float32:
+            raise ValueError(
+                f"FullyShardedDataParallel: mixed precision keeps fp32 master weights, but parameter {fqn!r} is "
+                f"{p.dtype}. Convert the module with .float() before wrapping (integer parameters cannot be used "
+                "with mixed precision; register them as buffers instead)"
+            )
+    return PrecisionConfig(
+        mp.param_dtype,
+        mp.reduce_dtype,
+        mp.buffer_dtype or mp.param_dtype,
+        mp.cast_forward_inputs,
+        force_input_to_fp32,
+        clear_autocast_cache,
+    )
+
+
+def cast_inputs(obj: Any, src: torch.dtype, dst: torch.dtype, detach: bool) -> Any:
+    """Cast every ``src`` tensor in a nest of tuples, lists and dicts to ``dst``.
+
+    With ``detach`` the cast is not recorded by autograd (the root's inputs), and a leaf keeps its
+    ``requires_grad``; otherwise gradients flow back through the cast.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype != src:
+            return obj
+        if detach:
+            with torch.no_grad():
+                out = obj.to(dst)
+            if obj.is_leaf and obj.requires_grad:
+                out.requires_grad_(True)
+            return out
+        return obj.to(dst)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(cast_inputs(v, src, dst, detach) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_inputs(v, src, dst, detach) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, cast_inputs(v, src, dst, detach)) for k, v in obj.items())
+    return obj
+
+
+def move_owned_buffers(
+    module: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    is_wrapper: Callable[[nn.Module], bool],
+) -> dict[str, torch.dtype]:
+    """Move the buffers a wrapper owns (none under an inner wrapper) to ``device``, floating ones to
+    ``dtype``; return every owned buffer's dtype before the move, by name."""
+    original: dict[str, torch.dtype] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, b in m._buffers.items():
+            if b is None:
+                continue
+            original[prefix + name] = b.dtype
+            cast = dtype if dtype is not None and b.is_floating_point() else b.dtype
+            if b.device != device or b.dtype != cast:
+                m._buffers[name] = b.to(device=device, dtype=cast)
+        for name, child in m._modules.items():
+            if child is not None and not is_wrapper(child):
+                visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return original
