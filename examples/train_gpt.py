@@ -35,6 +35,7 @@ from tqdm import tqdm
 # Make the library importable from a plain checkout (no `pip install -e .` needed).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import ShardedGradScaler
 
 
 # --------------------------------------------------------------------------------------------------
@@ -65,6 +66,12 @@ def parse_args() -> argparse.Namespace:
         "--top-k", type=int, default=5, help="sample among the k likeliest characters (1 = greedy)"
     )
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="compute dtype; bf16/fp16 keep fp32 master weights (mixed precision), fp16 adds loss scaling",
+    )
     p.add_argument("--out-dir", type=str, default="out/")
     return p.parse_args()
 
@@ -164,7 +171,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:  # targets: (B, T), the input shifted left by one character
-            loss = F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
+            # the loss in fp32 even when the logits are bf16/fp16: log-softmax needs the range
+            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.view(B * T))
         return logits, loss
 
 
@@ -246,10 +254,17 @@ def main() -> None:
     # Nested FSDP: each block is its own unit, so its full parameters are all-gathered just before
     # its forward (and again for its backward) and freed right after (reshard_after_forward). Peak
     # memory is then ~ one block's full parameters + every unit's shards, instead of the full model.
+    # Mixed precision: each unit casts its fp32 shard to bf16/fp16 *before* the all-gather (half the
+    # bytes on the wire), computes in that dtype, and reduces gradients back onto the fp32 shard.
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    precision = {"mixed_precision": True, "compute_dtype": low} if low is not None else {}
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = FSDP(block, reshard_after_forward=True)
+        model.blocks[i] = FSDP(block, reshard_after_forward=True, **precision)
     # The root owns what is left: wte/lm_head (tied), wpe and ln_f.
-    model = FSDP(model)
+    model = FSDP(model, **precision)
+    # fp16 gradients can underflow: scale the loss. The sharded scaler agrees across ranks on
+    # which steps overflowed, so every rank skips the same steps.
+    scaler = ShardedGradScaler(enabled=args.dtype == "fp16")
 
     # parameters() now yields this rank's flat shards only, so the optimizer state is sharded too.
     # Flat shards mix weights, biases and norm gains, so there is one parameter group (no separate
@@ -308,6 +323,7 @@ def main() -> None:
             tqdm.write(f"iter {it:5d}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
     step_losses: list[float] = []  # rank 0's own per-step loss, for the light line in the plot
+    gathered_bytes = 0  # bytes all-gathered by training steps (evaluation excluded)
     t0 = time.perf_counter()
     pbar = tqdm(range(args.max_iters), disable=not is_main, desc="train", dynamic_ncols=True)
     for it in pbar:
@@ -318,10 +334,13 @@ def main() -> None:
             group["lr"] = lr
 
         x, y = get_batch(train_data, args.batch_size, args.block_size, train_gen, device)  # (B, T) each
+        model.reset_comm_stats()
         _, loss = model(x, y)
-        loss.backward()  # FSDP reduce-scatters gradients: each rank gets the mean gradient of its shard
-        optimizer.step()  # updates this rank's shards only
+        scaler.scale(loss).backward()  # FSDP reduce-scatters: each rank gets the mean gradient of its shard
+        scaler.step(optimizer)  # updates this rank's shards only (skipped on every rank after an overflow)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        gathered_bytes += model.comm_stats()["all_gather"]["bytes"]
 
         if is_main:
             step_losses.append(loss.item())
@@ -360,6 +379,7 @@ def main() -> None:
             "world_size": world_size,
             "device": device.type,
             "train_seconds": round(train_s, 2),
+            "all_gather_bytes_per_step": gathered_bytes // max(1, args.max_iters),
             **curve,
             "step_loss_rank0": [round(v, 4) for v in step_losses],
         }
@@ -367,7 +387,8 @@ def main() -> None:
         plot_curve(curve, step_losses, out_dir / "loss_curve.png")
         print(f"wrote {out_dir / 'model.pt'}, {out_dir / 'loss_curve.png'}, {out_dir / 'loss_curve.json'}")
         print(
-            f"train time {train_s:.1f}s ({1000 * train_s / max(1, args.max_iters):.0f} ms/iter incl. evals)"
+            f"train time {train_s:.1f}s ({1000 * train_s / max(1, args.max_iters):.0f} ms/iter incl. evals), "
+            f"{args.dtype}: {gathered_bytes / max(1, args.max_iters) / 2**20:.2f} MiB all-gathered per step per rank"
         )
         print(
             f"loss: start {curve['train'][0]:.4f} -> end {curve['train'][-1]:.4f} (val {curve['val'][-1]:.4f})"

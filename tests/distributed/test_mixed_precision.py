@@ -36,7 +36,9 @@ def _net() -> nn.Module:
     return nn.Sequential(Probe(), nn.Tanh(), nn.Linear(6, 3))
 
 
-def _dtype_contract(kwargs: dict[str, Any], model_dtype: torch.dtype, input_dtype: torch.dtype) -> dict[str, Any]:
+def _dtype_contract(
+    kwargs: dict[str, Any], model_dtype: torch.dtype, input_dtype: torch.dtype
+) -> dict[str, Any]:
     net = _net().to(model_dtype)
     net[0] = FSDP(net[0], **kwargs)
     model = FSDP(net, **kwargs)
@@ -177,7 +179,9 @@ def _numerics(fp32_reduce_scatter: bool) -> dict[str, float]:
     [(2, False), (2, True), (3, True)],
     indirect=["pool"],
 )
-def test_bf16_numerics_match_a_hand_made_mixed_precision_reference(pool: RankPool, fp32_reduce_scatter: bool) -> None:
+def test_bf16_numerics_match_a_hand_made_mixed_precision_reference(
+    pool: RankPool, fp32_reduce_scatter: bool
+) -> None:
     for r in pool.run(_numerics, fp32_reduce_scatter):
         assert r["vs_reference"] <= 1e-3, r
         assert r["vs_fp32"] >= 1e-4, f"low precision was not really used: {r}"
@@ -271,16 +275,30 @@ def _invalid(kwargs: dict[str, Any], dtype: torch.dtype) -> str:
 @pytest.mark.parametrize(
     ("kwargs", "dtype", "match"),
     [
-        ({"fp32_reduce_scatter": True}, F32, "ValueError: .*fp32_reduce_scatter=True only applies with mixed_precision"),
-        ({"mixed_precision": True}, torch.float64, "ValueError: .*fp32 master weights.*float64.*\\.float\\(\\)"),
+        (
+            {"fp32_reduce_scatter": True},
+            F32,
+            "ValueError: .*fp32_reduce_scatter=True only applies with mixed_precision",
+        ),
+        (
+            {"mixed_precision": True},
+            torch.float64,
+            "ValueError: .*fp32 master weights.*float64.*\\.float\\(\\)",
+        ),
         ({"mixed_precision": True}, F16, "ValueError: .*fp32 master weights.*float16"),
-        ({"compute_dtype": BF16}, F32, "ValueError: .*compute_dtype=torch.bfloat16 with mixed_precision=False"),
+        (
+            {"compute_dtype": BF16},
+            F32,
+            "ValueError: .*compute_dtype=torch.bfloat16 with mixed_precision=False",
+        ),
         ({"mixed_precision": MixedPrecision(BF16), "compute_dtype": BF16}, F32, "ValueError: .*not both"),
         ({"mixed_precision": True, "force_input_to_fp32": True}, F32, "ValueError: .*force_input_to_fp32"),
         ({"mixed_precision": "yes"}, F32, "TypeError: .*mixed_precision"),
     ],
 )
-def test_invalid_combinations_say_what_to_change(pool: RankPool, kwargs: dict, dtype: torch.dtype, match: str) -> None:
+def test_invalid_combinations_say_what_to_change(
+    pool: RankPool, kwargs: dict, dtype: torch.dtype, match: str
+) -> None:
     import re
 
     (msg,) = pool.run(_invalid, kwargs, dtype)
@@ -310,3 +328,21 @@ def test_mixed_precision_config_validates_itself() -> None:
         MixedPrecision(cast_forward_inputs="no")  # type: ignore[arg-type]
     with pytest.raises(Exception, match="cannot assign"):
         MixedPrecision().param_dtype = F32  # type: ignore[misc]
+
+
+def _fp16_sum_overflow(pre: float | None) -> float:
+    # d(40000 * w * x)/dw = 40000 on every rank: fits fp16 (max 65504), but two of them summed do not
+    model = FSDP(nn.Linear(1, 1, bias=False), mixed_precision=True)  # fp16 compute and reduction
+    if pre is not None:
+        model.set_gradient_divide_factors(pre, dist.get_world_size() / pre, recursive=True)
+    (model(torch.ones(1, 1)).float() * 40000).sum().backward()
+    grad = model.params[0].grad
+    return float(grad[0]) if grad.numel() else 40000.0  # a rank holding only padding
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_gradient_predivide_factor_keeps_fp16_sums_finite(pool: RankPool) -> None:
+    default = pool.run(_fp16_sum_overflow, None)  # fairscale's default: pre=2 at world size 2
+    assert default[0] == pytest.approx(40000.0, rel=1e-3)
+    no_predivide = pool.run(_fp16_sum_overflow, 1.0)
+    assert no_predivide[0] == float("inf"), "without pre-division the fp16 sum overflows"
