@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp._device import default_compute_device
 from fsdp.collectives import all_reduce
 
 __all__ = ["ShardedGradScaler"]
@@ -40,7 +41,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = default_compute_device(set()).type  # CUDA when available, else CPU
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.process_group = process_group  # None: the default (world) group
 
