@@ -3,8 +3,8 @@
 Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the design.
 """
 
-from fsdp.api import MixedPrecision, ProcessGroupName, TrainingState
-from fsdp.fully_sharded import FSDP, FullyShardedDataParallel
+from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, TrainingState
+from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
 from fsdp.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
@@ -13,7 +13,9 @@ __all__ = [
     "MixedPrecision",
     "ProcessGroupName",
     "ShardedGradScaler",
+    "ShardingStrategy",
     "TrainingState",
+    "get_fsdp_instances",
 ]
 
 __version__ = "0.1.0"

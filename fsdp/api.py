@@ -22,6 +22,7 @@ __all__ = [
     "PrecisionConfig",
     "ProcessGroupName",
     "ShardingConfig",
+    "ShardingStrategy",
     "StateDictConfig",
     "TrainingState",
 ]
@@ -61,6 +62,24 @@ class ProcessGroupName(str, enum.Enum):
     reduce_scatter = "reduce_scatter"
 
 
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are spread over ranks (torch FSDP's names).
+
+    - ``FULL_SHARD``: shard everything; full parameters exist only around each unit's forward and
+      backward (two all-gathers and one reduce-scatter per step).
+    - ``SHARD_GRAD_OP``: shard gradients and optimizer state; keep full parameters from forward to
+      backward (``reshard_after_forward=False``: one all-gather, one reduce-scatter).
+    - ``NO_SHARD``: replicate like DDP; gradients are all-reduced, overlapped with backward.
+    - ``HYBRID_SHARD``: full sharding within a group of ranks (e.g. a node), replication across
+      groups: reduce-scatter in the shard group, then all-reduce of the shard across replicas.
+    """
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"FullyShardedDataParallel: `{name}` must be a bool, got {value!r}")
@@ -73,6 +92,7 @@ class ShardingConfig:
     reshard_after_forward: bool = True
     disable_reshard_on_root: bool = True
     flatten_parameters: bool = True
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
 
     def __post_init__(self) -> None:
         for name in ("reshard_after_forward", "disable_reshard_on_root", "flatten_parameters"):
@@ -147,9 +167,14 @@ class PrecisionConfig:
 class CommConfig:
     """Process groups and gradient reduction arithmetic.
 
+    A flat parameter is sharded over ``process_group`` (``world_size`` ranks, this one is ``rank``;
+    1 for NO_SHARD). Gradient shards are then all-reduced over ``replicate_group`` when there is one
+    (NO_SHARD: every rank; HYBRID_SHARD: the ranks holding the same shard). ``dp_group`` spans every
+    rank that trains the model (``dp_world_size`` = ``world_size`` x replicas).
+
     ``gradient_predivide_factor`` divides gradients before the reduction and
-    ``gradient_postdivide_factor`` after it; their product is the world size, so the result is the
-    mean over ranks while the summed values stay small (fp16 overflow at large world sizes).
+    ``gradient_postdivide_factor`` after it; their product is ``dp_world_size``, so the result is
+    the mean over ranks while the summed values stay small (fp16 overflow at large world sizes).
     """
 
     process_group: dist.ProcessGroup
@@ -159,6 +184,10 @@ class CommConfig:
     bucket_cap_mb: float
     gradient_predivide_factor: float
     gradient_postdivide_factor: float
+    replicate_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None  # None: process_group
+    dp_world_size: int = 0  # 0: world_size
+    dp_rank: int = -1  # -1: rank
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb < 0:
@@ -168,6 +197,12 @@ class CommConfig:
         for name in ("gradient_predivide_factor", "gradient_postdivide_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"FullyShardedDataParallel: `{name}` must be > 0, got {getattr(self, name)}")
+        if self.dp_group is None:
+            object.__setattr__(self, "dp_group", self.process_group)
+        if self.dp_world_size == 0:
+            object.__setattr__(self, "dp_world_size", self.world_size)
+        if self.dp_rank < 0:
+            object.__setattr__(self, "dp_rank", self.rank)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "get_process_group_cached",
+    "hybrid_groups",
     "reduce_scatter",
 ]
 
@@ -173,6 +174,30 @@ def broadcast(
 
 
 _group_cache: dict[tuple[str, int, tuple[int, ...]], dist.ProcessGroup] = {}
+_hybrid_cache: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard group, replicate group) of this rank for hybrid sharding over the whole world.
+
+    Ranks ``[k * shard_size, (k + 1) * shard_size)`` form shard group k (a node under torchrun, where
+    ``shard_size`` is LOCAL_WORLD_SIZE); the ranks with the same index in every shard group form a
+    replicate group. Collective over the world on first use; cached afterwards.
+    """
+    world = dist.get_world_size()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(
+            f"hybrid sharding: the world size {world} is not a multiple of the shard group size {shard_size}"
+        )
+    key = (id(dist.group.WORLD), shard_size)
+    if key not in _hybrid_cache:
+        shards = [list(range(k * shard_size, (k + 1) * shard_size)) for k in range(world // shard_size)]
+        replicas = [list(range(i, world, shard_size)) for i in range(shard_size)]
+        shard, _ = dist.new_subgroups_by_enumeration(shards)  # type: ignore[no-untyped-call]
+        replicate, _ = dist.new_subgroups_by_enumeration(replicas)  # type: ignore[no-untyped-call]
+        assert shard is not None and replicate is not None
+        _hybrid_cache[key] = (shard, replicate)
+    return _hybrid_cache[key]
 
 
 def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.ProcessGroup:

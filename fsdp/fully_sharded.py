@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -38,16 +40,17 @@ from fsdp.api import (
     MixedPrecision,
     ProcessGroupName,
     ShardingConfig,
+    ShardingStrategy,
     StateDictConfig,
     TrainingState,
     default_gradient_predivide_factor,
 )
-from fsdp.collectives import CommStats, all_reduce, get_process_group_cached
+from fsdp.collectives import CommStats, all_reduce, get_process_group_cached, hybrid_groups
 from fsdp.flat_param import group_params
 from fsdp.handle import FlatParamHandle
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 
-__all__ = ["FSDP", "FullyShardedDataParallel"]
+__all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +69,14 @@ class _RootContext:
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     wrappers: list[FullyShardedDataParallel]  # root first, then nested wrappers in module order
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
+    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
         self.stats = CommStats()
         self.wrappers = wrappers
         self.callback_queued = False
+        self.sync = True
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -137,6 +142,7 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_on_rank_0_only: bool = False,
         gradient_predivide_factor: float | None = None,
         allow_reset_parameters: bool = False,
+        sharding_strategy: ShardingStrategy | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -151,14 +157,16 @@ class FullyShardedDataParallel(nn.Module):
             cpu_offload=cpu_offload,
             move_grads_to_cpu=move_grads_to_cpu,
         )
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        rs_group = _reduce_scatter_group(group, process_group_reduce_scatter, world_size)
+        strategy, reshard_after_forward = _resolve_strategy(sharding_strategy, reshard_after_forward)
+        groups = _resolve_groups(strategy, process_group)
+        rs_group = groups.shard
+        if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
+            rs_group = _reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
+        dp_size = dist.get_world_size(groups.dp)
         pre = (
             float(gradient_predivide_factor)
             if gradient_predivide_factor
-            else default_gradient_predivide_factor(world_size)
+            else default_gradient_predivide_factor(dp_size)
         )
 
         owned, module_of, inner = _collect_owned(module)
@@ -188,9 +196,23 @@ class FullyShardedDataParallel(nn.Module):
         )
 
         self.config = FSDPConfig(
-            sharding=ShardingConfig(reshard_after_forward, disable_reshard_on_root, flatten_parameters),
+            sharding=ShardingConfig(
+                reshard_after_forward, disable_reshard_on_root, flatten_parameters, strategy
+            ),
             precision=precision,
-            comm=CommConfig(group, rs_group, world_size, rank, float(bucket_cap_mb), pre, world_size / pre),
+            comm=CommConfig(
+                groups.shard,
+                rs_group,
+                groups.shard_size,
+                groups.shard_rank,
+                float(bucket_cap_mb),
+                pre,
+                dp_size / pre,
+                groups.replicate,
+                groups.dp,
+                dp_size,
+                dist.get_rank(groups.dp),
+            ),
             state_dict=StateDictConfig(
                 torch.device(state_dict_device) if state_dict_device is not None else None,
                 state_dict_on_rank_0_only,
@@ -256,11 +278,17 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def world_size(self) -> int:
-        return self.config.comm.world_size
+        """Ranks that train this model together (all of them, whatever the sharding strategy)."""
+        return self.config.comm.dp_world_size
 
     @property
     def rank(self) -> int:
-        return self.config.comm.rank
+        """This rank's index among :attr:`world_size`."""
+        return self.config.comm.dp_rank
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self.config.sharding.strategy
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -347,7 +375,10 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
+        if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            return self._recompute_forward(*args, **kwargs)
         self.assert_state(TrainingState.IDLE)
+        assert self._ctx is not None
         grad_enabled = torch.is_grad_enabled()
         precision = self.config.precision
         if self._is_root and precision.mixed and precision.cast_forward_inputs:
@@ -363,8 +394,9 @@ class FullyShardedDataParallel(nn.Module):
                     h.use_full_views(as_parameters=False)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
-                # Under no_grad no backward follows: nothing is worth keeping.
-                keep_full = grad_enabled and not self._reshard_after_forward
+                # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
+                # full parameters stay until the next forward. See [Note: no_sync].
+                keep_full = grad_enabled and (not self._reshard_after_forward or not self._ctx.sync)
                 for h in self.handles:
                     h.reshard(free_full=not keep_full)
             if grad_enabled:
@@ -372,6 +404,21 @@ class FullyShardedDataParallel(nn.Module):
         if precision.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
+
+    def _recompute_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward run again during backward: activation checkpointing around this wrapper.
+
+        The parameters are already gathered by the pre-backward hook and are freed by the
+        post-backward hook, so this only points the module at them and runs it.
+        """
+        precision = self.config.precision
+        if self._is_root and precision.mixed and precision.cast_forward_inputs:
+            assert precision.param_dtype is not None
+            args, kwargs = cast_inputs((args, kwargs), torch.float32, precision.param_dtype, detach=True)
+        for h in self.handles:
+            h.unshard()
+            h.use_full_views(as_parameters=False)
+        return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _register_pre_backward_hooks(self, outputs: Any) -> None:
         hooked = 0
@@ -409,9 +456,13 @@ class FullyShardedDataParallel(nn.Module):
             return grad
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
         self.training_state = TrainingState.BACKWARD_PRE
-        for h in self.handles:
-            h.unshard()
-            h.prepare_gradient_for_backward()
+        # Views with autograd history, for a forward recomputed inside this backward (activation
+        # checkpointing inside the wrapper reads the module's attributes again).
+        with torch.enable_grad():
+            for h in self.handles:
+                h.unshard()
+                h.prepare_gradient_for_backward()
+                h.use_full_views(as_parameters=False)
         self._pre_backward_done = True
         return grad
 
@@ -424,7 +475,8 @@ class FullyShardedDataParallel(nn.Module):
                     "Compute the loss from the outputs of the FSDP forward"
                 )
             self.training_state = TrainingState.BACKWARD_POST
-            handle.reduce_grad()
+            assert self._ctx is not None
+            handle.reduce_grad(sync=self._ctx.sync)
             if all(h.reduced_this_backward for h in self.handles if h.requires_grad):
                 for h in self.handles:
                     if not h.requires_grad:
@@ -438,11 +490,12 @@ class FullyShardedDataParallel(nn.Module):
         assert ctx is not None
         ctx.callback_queued = False
         try:
-            _check_same_reductions_on_all_ranks(self, ctx.wrappers)
+            if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
+                _check_same_reductions_on_all_ranks(self, ctx.wrappers)
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.finalize_gradient()
-                    h.reshard(free_full=True)
+                    h.reshard(free_full=ctx.sync)
         finally:
             for w in ctx.wrappers:
                 for h in w.handles:
@@ -635,11 +688,76 @@ class FullyShardedDataParallel(nn.Module):
         return _IncompatibleKeys(missing, unexpected)
 
     # ------------------------------------------------------------------ not built yet (later issues)
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError("FullyShardedDataParallel.no_sync is not implemented yet")
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients over several backward passes without any communication.
+
+        Call it on the root. Inside, each backward adds its gradients locally; the first backward
+        after the context reduces the sum once, so k micro-batches equal one k-times larger batch.
+        Full parameters and gradients of every unit stay in memory meanwhile. See [Note: no_sync].
+        """
+        self._require_root("no_sync()")
+        ctx = self._ctx
+        assert ctx is not None
+        for w in ctx.wrappers:
+            w.assert_state(TrainingState.IDLE)
+        previous, ctx.sync = ctx.sync, False
+        try:
+            yield
+        finally:
+            ctx.sync = previous
 
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
-        raise NotImplementedError("FullyShardedDataParallel.clip_grad_norm_ is not implemented yet")
+        """Clip the gradients of the whole model by their global norm; return that norm.
+
+        Call it on the root after backward, on every rank. The norm is computed over every rank's
+        gradient shards (one all-reduce per shard group), so it is identical on all ranks and equal
+        to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+        """
+        self._require_root("clip_grad_norm_()")
+        ctx = self._ctx
+        assert ctx is not None
+        self.assert_state(TrainingState.IDLE)
+        p = float(norm_type)
+        handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
+        device = self.compute_device
+        # partial results per shard group; unsharded (NO_SHARD) gradients are complete locally
+        partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
+        for h in handles:
+            grad = h.flat_param.grad
+            if grad is None:
+                value = torch.zeros((), device=device)
+            elif p == math.inf:
+                value = grad.detach().abs().max().float() if grad.numel() else torch.zeros((), device=device)
+            else:
+                value = torch.linalg.vector_norm(grad.detach().float(), p) ** p
+            group = h.comm.process_group if h.spec.world_size > 1 else None
+            key = id(group)
+            if key in partial:
+                old = partial[key][1]
+                value = torch.maximum(old, value) if p == math.inf else old + value
+            partial[key] = (group, value.to(device))
+        total = torch.zeros((), device=device)
+        for group, value in partial.values():
+            if group is not None:
+                op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+                all_reduce(value, group, op=op, stats=ctx.stats).wait()
+            total = torch.maximum(total, value) if p == math.inf else total + value
+        norm = total if p == math.inf else total ** (1.0 / p)
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        for h in handles:
+            if h.flat_param.grad is not None:
+                h.flat_param.grad.detach().mul_(coef.to(h.flat_param.grad.device, h.flat_param.grad.dtype))
+        return norm
+
+    def _require_root(self, what: str) -> None:
+        if self._is_root is None:
+            self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: {what} must be called on the root (outermost) wrapper, not on an "
+                "inner one: it acts on the whole model"
+            )
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("FullyShardedDataParallel.local_state_dict is not implemented yet")
@@ -675,6 +793,11 @@ class FullyShardedDataParallel(nn.Module):
 FSDP = FullyShardedDataParallel
 
 
+def get_fsdp_instances(module: nn.Module) -> list[FullyShardedDataParallel]:
+    """Every FullyShardedDataParallel inside ``module`` (itself included), outermost first."""
+    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
 # ---------------------------------------------------------------------- helpers
 def _reject_unbuilt(**options: Any) -> None:
     for name, value in options.items():
@@ -683,6 +806,76 @@ def _reject_unbuilt(**options: Any) -> None:
                 f"FullyShardedDataParallel: `{name}={value!r}` is not implemented yet in fsdp; "
                 f"leave it at its default"
             )
+
+
+def _resolve_strategy(strategy: Any, reshard_after_forward: bool) -> tuple[ShardingStrategy, bool]:
+    """fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` as one decision."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"FullyShardedDataParallel: `reshard_after_forward` must be a bool, got {reshard_after_forward!r}"
+        )
+    if strategy is None:
+        return (ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP), (
+            reshard_after_forward
+        )
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"FullyShardedDataParallel: `sharding_strategy` must be a fsdp.ShardingStrategy, got {strategy!r}"
+        )
+    if strategy is ShardingStrategy.FULL_SHARD and not reshard_after_forward:
+        raise ValueError(
+            "FullyShardedDataParallel: sharding_strategy=FULL_SHARD frees parameters after forward, but "
+            "reshard_after_forward=False keeps them: use ShardingStrategy.SHARD_GRAD_OP instead"
+        )
+    return strategy, reshard_after_forward and strategy is not ShardingStrategy.SHARD_GRAD_OP
+
+
+class _Groups(NamedTuple):
+    shard: dist.ProcessGroup  # parameters are sharded over it (NO_SHARD: unused)
+    shard_size: int
+    shard_rank: int
+    replicate: dist.ProcessGroup | None  # gradient shards are all-reduced over it
+    dp: dist.ProcessGroup  # every rank training the model
+
+
+def _resolve_groups(strategy: ShardingStrategy, process_group: Any) -> _Groups:
+    world = dist.group.WORLD
+    assert world is not None
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if isinstance(process_group, tuple):
+            if len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in process_group):
+                raise TypeError(
+                    "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
+                )
+            shard, replicate = process_group
+        elif process_group is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if local is None:
+                raise ValueError(
+                    "FullyShardedDataParallel: HYBRID_SHARD needs process_group=(shard_group, replicate_group), "
+                    "or LOCAL_WORLD_SIZE in the environment (set by torchrun) to shard within each node"
+                )
+            shard, replicate = hybrid_groups(int(local))
+        else:
+            raise TypeError(
+                "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
+            )
+        size = dist.get_world_size(shard)
+        return _Groups(
+            shard,
+            size,
+            dist.get_rank(shard),
+            replicate if dist.get_world_size(replicate) > 1 else None,
+            world,
+        )
+    if isinstance(process_group, tuple):
+        raise TypeError(
+            "FullyShardedDataParallel: a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD"
+        )
+    group = process_group if process_group is not None else world
+    if strategy is ShardingStrategy.NO_SHARD:
+        return _Groups(group, 1, 0, group if dist.get_world_size(group) > 1 else None, group)
+    return _Groups(group, dist.get_world_size(group), dist.get_rank(group), None, group)
 
 
 def _reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int) -> dist.ProcessGroup:
@@ -765,7 +958,7 @@ def _check_same_wrappers_on_all_ranks(
     root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]
 ) -> None:
     """Compare a fingerprint of the wrapper tree across ranks; raise on every rank if they differ."""
-    group = root.process_group
+    group = root.config.comm.dp_group
     if root.world_size == 1:
         return
     lines = _fingerprint(root, wrappers)
@@ -798,7 +991,8 @@ def _check_same_reductions_on_all_ranks(
     mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
     both = torch.cat([mine, -mine]).to(root.compute_device)
     stats = root._ctx.stats if root._ctx is not None else None
-    all_reduce(both, root.process_group, op=dist.ReduceOp.MAX, stats=stats).wait()
+    assert root.config.comm.dp_group is not None
+    all_reduce(both, root.config.comm.dp_group, op=dist.ReduceOp.MAX, stats=stats).wait()
     both = both.cpu()
     hi, lo = both[: len(handles)], -both[len(handles) :]
     differ = [i for i in range(len(handles)) if hi[i] != lo[i]]

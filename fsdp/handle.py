@@ -34,6 +34,16 @@ full-shaped gradient into ``flat_param.grad``, which requires it to be None or f
 ``prepare_gradient_for_backward`` therefore moves an existing shard gradient to
 ``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
 accumulation across backward passes (without zero_grad) sums as in a plain model.
+
+[Note: no_sync]
+Inside ``no_sync`` no collective runs after the first forward: each handle keeps its full
+parameter from forward to the next forward (its validity is tracked by ``flat_param._version``), and
+the post-backward hook adds the full gradient into ``_grad_acc`` (the master dtype) instead of
+reducing it. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
+the sum once, so k micro-batches cost one reduction, exactly like one large batch. When the full
+parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
+``.grad`` directly and nothing needs to be kept. The price is memory: full parameters and full
+gradients of every unit stay allocated inside the context.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import torch
 from torch import nn
 
 from fsdp.api import CommConfig, MemoryState
-from fsdp.collectives import CommStats, Pending, all_gather, reduce_scatter
+from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
     FlatParamMeta,
     _Entry,
@@ -88,7 +98,9 @@ class FlatParamHandle:
     _full_valid: bool  # _full holds the gathered values of the current _shard
     _full_version: int  # flat_param._version when _full was last known valid
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
-    _pending: Pending | None  # in-flight reduce-scatter of this backward
+    _pending: Pending | None  # in-flight reduction of this backward
+    _all_reduce_after: bool  # HYBRID_SHARD: all-reduce the reduced shard across replicas when it is ready
+    _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     reduced_this_backward: bool
 
@@ -138,6 +150,8 @@ class FlatParamHandle:
         self._full_version = -1
         self._saved_grad_shard = None
         self._pending = None
+        self._all_reduce_after = False
+        self._grad_acc = None
         self.reduced_this_backward = False
         self._placeholders = [
             torch.empty(info.shape, dtype=self.meta.dtype, device="meta") for info in self.meta.params
@@ -187,7 +201,10 @@ class FlatParamHandle:
         if full_precision and self._full_precision is not None:
             buf = self._full_precision
             _alloc_storage(buf)
-            all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
+            if self.spec.world_size == 1:
+                buf.copy_(self._shard)
+            else:
+                all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
         else:
             buf = self._full
             if not self.aliased and not (self._full_valid and self._full_version == self.flat_param._version):
@@ -202,7 +219,7 @@ class FlatParamHandle:
         if self._lp_shard is None:
             all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
             return
-        if self.comm.world_size == 1:
+        if self.spec.world_size == 1:
             buf.copy_(self._shard)  # cast
             return
         _alloc_storage(self._lp_shard)
@@ -296,23 +313,49 @@ class FlatParamHandle:
         self._saved_grad_shard = grad
         self.flat_param.grad = None
 
-    def reduce_grad(self) -> None:
-        """Launch the reduce-scatter of the full gradient; reshard. Runs in the post-backward hook.
+    def reduce_grad(self, sync: bool = True) -> None:
+        """Launch the reduction of the full gradient; reshard. Runs in the post-backward hook.
 
         Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
         g1 = [5, 6, 7, 8] on rank 1: after reduce-scatter and division by the world size rank 0
         holds [3, 4] and rank 1 holds [5, 6] (the mean of the ranks' gradients, chunk by chunk).
+        With a replicate group (NO_SHARD, HYBRID_SHARD) the shard is then all-reduced across it.
+
+        With ``sync=False`` (inside ``no_sync``) nothing is communicated: the full gradient is added
+        to a local accumulator and the full parameter is kept for the next forward. See
+        [Note: no_sync].
         """
         grad = self.flat_param.grad
-        assert grad is not None and grad.shape == self._full.shape, "post-backward without a full gradient"
+        assert grad is not None and grad.shape == self.flat_param.shape, (
+            "post-backward without a full gradient"
+        )
+        if not sync:
+            if not self.aliased:  # aliased: autograd itself accumulates into .grad across backwards
+                self.flat_param.grad = None
+                acc = grad.to(self.meta.dtype)
+                self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
+            self.reshard(free_full=False)
+            return
         self.flat_param.grad = None
+        if self._grad_acc is not None:
+            grad = self._grad_acc.add_(grad)
+            self._grad_acc = None
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
         grad = grad.contiguous()
         if self.comm.gradient_predivide_factor != 1:
             grad.div_(self.comm.gradient_predivide_factor)
-        out = torch.empty(self.spec.chunk, dtype=grad.dtype, device=grad.device)
-        self._pending = reduce_scatter(out, grad, self.comm.process_group_reduce_scatter, self.stats)
+        replicate = self.comm.replicate_group
+        if self.spec.world_size > 1:
+            out = torch.empty(self.spec.chunk, dtype=grad.dtype, device=grad.device)
+            self._pending = reduce_scatter(out, grad, self.comm.process_group_reduce_scatter, self.stats)
+            self._all_reduce_after = replicate is not None  # HYBRID: then across replicas, at the end
+        elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
+            self._pending = all_reduce(grad, replicate, stats=self.stats)
+            self._all_reduce_after = False
+        else:
+            self._pending = Pending(None, grad)
+            self._all_reduce_after = False
         self.reduced_this_backward = True
         self.reshard(free_full=True)
 
@@ -325,6 +368,9 @@ class FlatParamHandle:
             return
         out = self._pending.wait()
         self._pending = None
+        if self._all_reduce_after:
+            assert self.comm.replicate_group is not None
+            all_reduce(out, self.comm.replicate_group, stats=self.stats).wait()
         if self.comm.gradient_postdivide_factor != 1:
             out.div_(self.comm.gradient_postdivide_factor)
         out = out.to(self.meta.dtype)  # gradients always land on the master shard in its dtype

@@ -56,7 +56,9 @@ def test_alias_and_public_names() -> None:
 
 def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
     ours, theirs = _params(FullyShardedDataParallel.__init__), _params(FairscaleFSDP.__init__)
-    assert [n for n, _ in ours] == [n for n, _ in theirs]
+    # fairscale's arguments first, in order; ours adds torch-FSDP style ones after them
+    assert [n for n, _ in ours][: len(theirs)] == [n for n, _ in theirs]
+    assert [n for n, _ in ours][len(theirs) :] == ["sharding_strategy"]
     for (name, default), (_, ref_default) in zip(ours, theirs):
         if name == "process_group_reduce_scatter":
             assert default.value == ref_default.value == "reduce_scatter"
