@@ -1,0 +1,69 @@
+"""Activation checkpointing: recompute a module's forward in backward instead of saving activations.
+
+``checkpoint_wrapper(module)`` replaces the forward of that one module instance (as fairscale
+does), so the module keeps its type, its parameter names and its state-dict keys, and it composes
+with FSDP in both orders:
+
+- ``FSDP(checkpoint_wrapper(m))``: the wrapper's pre-backward hook gathers the parameters and
+  points ``m``'s attributes at them before the recomputation reads them.
+- ``checkpoint_wrapper(FSDP(m))``: the recomputation calls the wrapper's forward during backward,
+  which then only re-points ``m`` at the already gathered parameters.
+
+It uses torch's non-reentrant checkpoint, so the recomputed region takes part in the same backward
+pass (one end-of-backward callback, hooks fire once).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+__all__ = ["checkpoint_wrapper", "is_checkpointed"]
+
+_MARK = "_fsdp_checkpointed"
+
+
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+    """Make ``module`` recompute its forward during backward; return the same module.
+
+    Args:
+        module: the module whose activations are not kept for backward (only its inputs are).
+        offload_to_cpu: also move the saved inputs to CPU memory until backward needs them.
+
+    Postcondition: ``module`` computes the same outputs and gradients as before; its parameter names
+    and state-dict keys are unchanged.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint_wrapper takes an nn.Module, got {type(module).__name__}")
+    if not isinstance(offload_to_cpu, bool):
+        raise TypeError(f"checkpoint_wrapper: offload_to_cpu must be a bool, got {offload_to_cpu!r}")
+    if is_checkpointed(module):
+        raise ValueError(f"checkpoint_wrapper: this {type(module).__name__} is already checkpointed")
+    # the bound forward of the instance's class; a weak reference avoids a module -> forward -> module cycle
+    original = type(module).forward
+    module.forward = functools.partial(_checkpointed_forward, original, weakref.ref(module), offload_to_cpu)  # type: ignore[method-assign]
+    setattr(module, _MARK, True)
+    return module
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return bool(module.__dict__.get(_MARK, False))
+
+
+def _checkpointed_forward(
+    original: Any, module_ref: weakref.ref[nn.Module], offload_to_cpu: bool, *args: Any, **kwargs: Any
+) -> Any:
+    module = module_ref()
+    assert module is not None, "checkpointed module was garbage collected"
+    if not torch.is_grad_enabled():  # nothing would be saved anyway
+        return original(module, *args, **kwargs)
+    run = functools.partial(torch.utils.checkpoint.checkpoint, original, module, use_reentrant=False)
+    if offload_to_cpu:
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            return run(*args, **kwargs)
+    return run(*args, **kwargs)

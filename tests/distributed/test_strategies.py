@@ -1,0 +1,162 @@
+"""Sharding strategies: parity with the plain model, and the collectives each one issues."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import ShardingStrategy
+from fsdp.collectives import hybrid_groups
+from tests.models import CASES, build, wrap
+from tests.parity import compare_training
+from tests.rank_pool import RankPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOL = 1e-5
+
+
+def _parity(case: str, strategy: str, hybrid: str | None = None) -> dict[str, float]:
+    spec = CASES[case]
+    kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy]}
+    if hybrid == "groups":  # an explicit (shard, replicate) pair: 2 x 2 at world size 4
+        kwargs["process_group"] = hybrid_groups(2)
+    elif hybrid == "env":  # built from LOCAL_WORLD_SIZE as torchrun sets it
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        ref = build(case)
+        model = wrap(copy.deepcopy(ref), spec.wrap, **kwargs)
+        return compare_training(ref, model, spec.make_input, spec.loss, steps=3)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("case", ["nested", "tiny", "frozen_mixed", "tied"])
+def test_strategy_parity(pool: RankPool, strategy: str, case: str) -> None:
+    for diffs in pool.run(_parity, case, strategy):
+        assert max(diffs.values()) <= TOL, diffs
+
+
+@pytest.mark.parametrize("pool", [4], indirect=True)
+@pytest.mark.parametrize("hybrid", ["groups", "env"])
+@pytest.mark.parametrize("case", ["nested", "tiny", "called_twice"])
+def test_hybrid_shard_2x2_parity(pool: RankPool, hybrid: str, case: str) -> None:
+    for diffs in pool.run(_parity, case, "HYBRID_SHARD", hybrid):
+        assert max(diffs.values()) <= TOL, diffs
+
+
+def _step_collectives(strategy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1))
+    kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy]}
+    if strategy == "HYBRID_SHARD":
+        kwargs["process_group"] = hybrid_groups(2)
+    net[0], net[1] = FSDP(net[0], **kwargs), FSDP(net[1], **kwargs)
+    model = FSDP(net, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # the second step is the one counted
+        model.reset_comm_stats()
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+    stats = model.comm_stats()
+    return {k: (v["calls"], v["numel"]) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("pool", [4], indirect=True)
+def test_collectives_issued_by_each_strategy(pool: RankPool) -> None:
+    unit, root = 42, 7  # Linear(6, 6) and Linear(6, 1) elements
+    pad4 = {42: 44, 7: 8}
+    pad2 = {42: 42, 7: 8}
+    full = pool.run(_step_collectives, "FULL_SHARD")[0]
+    # inner units gathered in forward and backward, the root once; one reduce-scatter per unit
+    assert full["all_gather"] == (5, 4 * pad4[unit] + pad4[root])
+    assert full["reduce_scatter"] == (3, 2 * pad4[unit] + pad4[root])
+    grad_op = pool.run(_step_collectives, "SHARD_GRAD_OP")[0]
+    assert grad_op["all_gather"] == (3, 2 * pad4[unit] + pad4[root]), "no all-gather in backward"
+    assert grad_op["reduce_scatter"] == full["reduce_scatter"]
+    no_shard = pool.run(_step_collectives, "NO_SHARD")[0]
+    assert no_shard["all_gather"][0] == 0 and no_shard["reduce_scatter"][0] == 0
+    # one all-reduce per flat parameter (overlapped with backward) plus the 3-element check vector
+    assert no_shard["all_reduce"] == (3 + 1, 2 * unit + root + 2 * 3)
+    hybrid = pool.run(_step_collectives, "HYBRID_SHARD")[0]
+    assert hybrid["all_gather"] == (5, 4 * pad2[unit] + pad2[root])
+    assert hybrid["reduce_scatter"] == (3, 2 * pad2[unit] + pad2[root])
+    # the shards (half of each padded flat parameter) all-reduced across the 2 replicas, plus the check
+    assert hybrid["all_reduce"] == (3 + 1, (2 * pad2[unit] + pad2[root]) // 2 + 2 * 3)
+
+
+def _bad_strategy_args(which: str) -> str:
+    try:
+        if which == "full_without_reshard":
+            FSDP(nn.Linear(2, 2), sharding_strategy=ShardingStrategy.FULL_SHARD, reshard_after_forward=False)
+        elif which == "hybrid_without_groups":
+            FSDP(nn.Linear(2, 2), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        elif which == "pair_without_hybrid":
+            FSDP(nn.Linear(2, 2), process_group=(dist.group.WORLD, dist.group.WORLD))
+        elif which == "not_a_strategy":
+            FSDP(nn.Linear(2, 2), sharding_strategy="FULL_SHARD")
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize(
+    ("which", "match"),
+    [
+        ("full_without_reshard", "use ShardingStrategy.SHARD_GRAD_OP"),
+        ("hybrid_without_groups", "LOCAL_WORLD_SIZE"),
+        ("pair_without_hybrid", "needs sharding_strategy=HYBRID_SHARD"),
+        ("not_a_strategy", "must be a fsdp.ShardingStrategy"),
+    ],
+)
+def test_invalid_strategy_arguments(pool: RankPool, which: str, match: str) -> None:
+    for msg in pool.run(_bad_strategy_args, which):
+        assert match in msg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_hybrid_shard_across_two_torchrun_nodes(tmp_path: Any) -> None:
+    """Two `torchrun --nnodes=2` launches on localhost: shard within each 'node', replicate across."""
+    port = _free_port()
+    script = os.path.join(ROOT, "tests", "distributed", "hybrid_two_nodes.py")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", script,
+               str(tmp_path)]  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out.decode())
+        assert p.returncode == 0, out.decode()[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r in results:
+        assert r["local_world_size"] == 2 and r["shard_size"] == 2 and r["replicated"]
+        assert r["max_diff"] <= TOL, r
