@@ -4,6 +4,7 @@ Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the de
 """
 
 from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, TrainingState
+from fsdp.checkpoint import checkpoint_wrapper
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
 from fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -15,6 +16,7 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
     "TrainingState",
+    "checkpoint_wrapper",
     "get_fsdp_instances",
 ]
 
