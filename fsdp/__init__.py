@@ -7,6 +7,15 @@ from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, Trainin
 from fsdp.checkpoint import checkpoint_wrapper
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
 from fsdp.sharded_grad_scaler import ShardedGradScaler
+from fsdp.wrap import (
+    auto_wrap,
+    config_auto_wrap_policy,
+    default_auto_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
 
 __all__ = [
     "FSDP",
@@ -16,8 +25,15 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
     "TrainingState",
+    "auto_wrap",
     "checkpoint_wrapper",
+    "config_auto_wrap_policy",
+    "default_auto_wrap_policy",
+    "enable_wrap",
     "get_fsdp_instances",
+    "lambda_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,370 @@
+"""Wrapping policies: ``enable_wrap`` / ``wrap`` / ``auto_wrap``, with fairscale 0.4.13's semantics.
+
+This module never imports the FSDP wrapper: the class to wrap with is passed in as ``wrapper_cls``
+(any callable ``wrapper_cls(module, **kwargs) -> nn.Module``), so it works for any wrapper.
+
+``enable_wrap(wrapper_cls=FSDP, **kwargs)`` opens a context; inside it ``wrap(m)`` returns
+``FSDP(m, **kwargs)`` and ``auto_wrap(m, policy)`` walks ``m`` and wraps the submodules the policy
+picks. Outside it both return ``m`` unchanged, so a model that calls ``wrap`` in its ``__init__``
+builds plainly or sharded without code changes.
+
+A policy is called with keyword arguments only::
+
+    policy(module=m, recurse=True,  unwrapped_params=n, module_is_root=r)  # descend into m?
+    policy(module=m, recurse=False, unwrapped_params=n, module_is_root=r)  # wrap m itself?
+
+``unwrapped_params`` counts the elements of ``m``'s parameters that no wrapper owns yet: for the
+``recurse=True`` call all of them (minus those under already-wrapped submodules), for the
+``recurse=False`` call what is left after ``m``'s children were wrapped. A worked example with
+``default_auto_wrap_policy`` and ``min_num_params=100``::
+
+    Sequential(                      recurse: 226 >= 100 -> descend; wrap: remainder 6 < 100 -> no
+      (0) Linear(10, 10)   110       recurse: 110 >= 100 -> descend (no children); wrap: 110 -> yes
+      (1) Linear(10, 10)   110       wrapped likewise
+      (2) Linear(2, 2)       6       recurse: 6 < 100 -> skipped, left to its parent
+    )
+
+Policies written for torch FSDP1 (``policy(module, recurse, nonwrapped_numel)``, e.g.
+``functools.partial(torch.distributed.fsdp.wrap.size_based_auto_wrap_policy, min_num_params=...)``)
+are recognized by their ``nonwrapped_numel`` parameter and called that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "AutoWrapPolicy",
+    "auto_wrap",
+    "config_auto_wrap_policy",
+    "default_auto_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]
+
+# policy(module=..., recurse=..., unwrapped_params=..., module_is_root=...) -> bool (see module docstring)
+AutoWrapPolicy = Callable[..., bool]
+WrapperCls = Callable[..., nn.Module]
+
+
+@dataclasses.dataclass(frozen=True)
+class _WrapContext:
+    """What ``enable_wrap`` set up; at most one is active at a time."""
+
+    wrapper_cls: WrapperCls  # called as wrapper_cls(module, **kwargs)
+    kwargs: dict[str, Any]  # passed to every wrapper built inside the context
+    auto_wrap_policy: AutoWrapPolicy  # auto_wrap's policy when none is passed to it
+    move_module_cuda_half: bool  # fairscale's flag: wrap() moves the module to CUDA fp16 first
+
+
+_context: _WrapContext | None = None  # the active enable_wrap context, process-wide as in fairscale
+
+
+def default_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    module_is_root: bool,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: set[type[nn.Module]] | None = None,
+    exclude_wrap_modules: set[type[nn.Module]] | None = None,
+    skip_params_check_for_root: bool = False,
+) -> bool:
+    """Size-based policy: wrap a module once ``unwrapped_params >= min_num_params``.
+
+    Bind the options with ``functools.partial(default_auto_wrap_policy, min_num_params=...)``.
+
+    Args:
+        module, recurse, unwrapped_params, module_is_root: supplied by :func:`auto_wrap`.
+        min_num_params: the size (in elements) from which a module is descended into and wrapped.
+        force_leaf_modules: module types never descended into: neither they nor their children
+            are wrapped on their own, their parameters go to the enclosing wrapper; default
+            ``default_auto_wrap_policy.FORCE_LEAF_MODULES`` (``{nn.MultiheadAttention}``, whose
+            forward reads its ``out_proj`` weights directly).
+        exclude_wrap_modules: module types never wrapped themselves (their children still may
+            be); default ``default_auto_wrap_policy.EXCLUDE_WRAP_MODULES``
+            (``{nn.ModuleList, nn.ModuleDict}``, which have no forward).
+        skip_params_check_for_root: wrap the root whatever its remaining size.
+    """
+    if force_leaf_modules is None:
+        force_leaf_modules = default_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+    if exclude_wrap_modules is None:
+        exclude_wrap_modules = default_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+    assert force_leaf_modules is not None and exclude_wrap_modules is not None
+    is_large = unwrapped_params >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, tuple(force_leaf_modules))
+    wanted = is_large or (module_is_root and skip_params_check_for_root)
+    return wanted and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+# The defaults live on the function, as in fairscale, so that they can be read (or extended) there.
+default_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
+
+
+def config_auto_wrap_policy(
+    module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool
+) -> bool:
+    """Wrap exactly the modules tagged with a ``wrapper_config`` attribute (a dict of wrapper kwargs).
+
+    Always descends, so tags anywhere in the tree are found; sizes and the root play no part.
+    Tagging lets :func:`auto_wrap` place wrappers in several passes or by hand-written rules.
+    """
+    if recurse:
+        return True
+    return getattr(module, "wrapper_config", None) is not None
+
+
+class _ModuleTypePolicy:
+    """Wrap every instance of the given module types (descending everywhere); see
+    :func:`transformer_auto_wrap_policy`."""
+
+    module_types: tuple[type[nn.Module], ...]
+
+    def __init__(self, module_types: tuple[type[nn.Module], ...]) -> None:
+        self.module_types = module_types
+
+    def __call__(
+        self, module: nn.Module, recurse: bool, unwrapped_params: int = 0, module_is_root: bool = False
+    ) -> bool:
+        return recurse or isinstance(module, self.module_types)
+
+    def __repr__(self) -> str:
+        names = ", ".join(t.__qualname__ for t in self.module_types)
+        return f"transformer_auto_wrap_policy({{{names}}})"
+
+
+def transformer_auto_wrap_policy(
+    transformer_layer_cls: type[nn.Module] | Iterable[type[nn.Module]],
+) -> AutoWrapPolicy:
+    """A policy that wraps every instance of ``transformer_layer_cls`` (a class or a set of classes).
+
+    Every module is descended into, so blocks nested at any depth are found, and a block's own
+    children are wrapped too if they are instances of the listed classes. Nothing else is wrapped,
+    the root included unless it is such an instance: wrap the root yourself afterwards.
+
+    Unlike torch FSDP1's function of the same name (used through ``functools.partial``), this one
+    takes the classes and returns the policy: ``auto_wrap(model, transformer_auto_wrap_policy({Block}))``.
+    """
+    classes = (
+        (transformer_layer_cls,) if isinstance(transformer_layer_cls, type) else tuple(transformer_layer_cls)
+    )
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(
+                f"transformer_auto_wrap_policy takes nn.Module subclasses, got {cls!r}; "
+                "pass the block class itself, e.g. transformer_auto_wrap_policy({Block})"
+            )
+    if not classes:
+        raise ValueError("transformer_auto_wrap_policy needs at least one module class to wrap")
+    return _ModuleTypePolicy(classes)
+
+
+class _LambdaPolicy:
+    """Wrap the modules for which ``lambda_fn(module)`` is true (descending everywhere); see
+    :func:`lambda_auto_wrap_policy`."""
+
+    lambda_fn: Callable[[nn.Module], bool]
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool]) -> None:
+        self.lambda_fn = lambda_fn
+
+    def __call__(
+        self, module: nn.Module, recurse: bool, unwrapped_params: int = 0, module_is_root: bool = False
+    ) -> bool:
+        return recurse or bool(self.lambda_fn(module))
+
+    def __repr__(self) -> str:
+        return f"lambda_auto_wrap_policy({self.lambda_fn!r})"
+
+
+def lambda_auto_wrap_policy(lambda_fn: Callable[[nn.Module], bool]) -> AutoWrapPolicy:
+    """A policy that wraps every module for which ``lambda_fn(module)`` is true.
+
+    Every module is descended into; the root is wrapped only if ``lambda_fn`` picks it. Example:
+    ``lambda_auto_wrap_policy(lambda m: isinstance(m, nn.Linear) and m.weight.numel() >= 4096)``.
+    """
+    if not callable(lambda_fn):
+        raise TypeError(f"lambda_auto_wrap_policy takes a callable module -> bool, got {lambda_fn!r}")
+    return _LambdaPolicy(lambda_fn)
+
+
+@contextlib.contextmanager
+def enable_wrap(auto_wrap_policy: AutoWrapPolicy | None = None, **wrapper_kwargs: Any) -> Iterator[None]:
+    """Inside this context, :func:`wrap` and :func:`auto_wrap` wrap with ``wrapper_cls``.
+
+    Usage::
+
+        with enable_wrap(wrapper_cls=FSDP, mixed_precision=True):
+            model = Net()  # whose __init__ does self.fc = wrap(nn.Linear(...)): sharded when built
+            model = auto_wrap(model, transformer_auto_wrap_policy({Block}))
+        model = FSDP(model)  # the root
+
+    Args:
+        auto_wrap_policy: the policy :func:`auto_wrap` uses when it is given none
+            (default: :func:`default_auto_wrap_policy`). :func:`wrap` ignores policies.
+        wrapper_kwargs: must hold ``wrapper_cls``; the rest are passed to every wrapper built
+            inside the context. ``move_module_cuda_half=True`` (fairscale's flag) makes
+            :func:`wrap` move each module to CUDA in fp16 before wrapping it.
+
+    Raises:
+        TypeError: ``wrapper_cls`` is missing or not callable.
+        NotImplementedError: another ``enable_wrap`` context is already active (as fairscale).
+    """
+    global _context
+    if _context is not None:
+        raise NotImplementedError(
+            "enable_wrap contexts cannot be nested; pass per-module options to wrap(module, **overrides) "
+            "or auto_wrap(module, policy, **overrides) inside the one context instead"
+        )
+    kwargs = dict(wrapper_kwargs)
+    wrapper_cls = kwargs.pop("wrapper_cls", None)
+    if wrapper_cls is None or not callable(wrapper_cls):
+        raise TypeError(
+            f"enable_wrap needs wrapper_cls=<the wrapper class>, e.g. enable_wrap(wrapper_cls=FSDP); "
+            f"got {wrapper_cls!r}"
+        )
+    move_module_cuda_half = bool(kwargs.pop("move_module_cuda_half", False))
+    policy = default_auto_wrap_policy if auto_wrap_policy is None else auto_wrap_policy
+    _context = _WrapContext(wrapper_cls, kwargs, policy, move_module_cuda_half)
+    try:
+        yield
+    finally:
+        _context = None
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """Wrap ``module`` if inside :func:`enable_wrap`; otherwise return it unchanged.
+
+    The wrapper's kwargs merge three sources, later ones winning: the ``enable_wrap`` kwargs, the
+    module's ``wrapper_config`` dict (if it has one), and ``wrap_overrides``. ``wrapper_cls`` may be
+    overridden the same way. The module is wrapped even if it already is a wrapper (as fairscale);
+    only :func:`auto_wrap` skips wrapped modules.
+    """
+    ctx = _context
+    if ctx is None:
+        return module
+    module_config = getattr(module, "wrapper_config", None)
+    if module_config is not None and not isinstance(module_config, dict):
+        raise TypeError(
+            f"{type(module).__name__}.wrapper_config must be a dict of wrapper kwargs, "
+            f"got {type(module_config).__name__}"
+        )
+    kwargs = {**ctx.kwargs, **(module_config or {}), **wrap_overrides}
+    wrapper_cls: WrapperCls = kwargs.pop("wrapper_cls", ctx.wrapper_cls)
+    if ctx.move_module_cuda_half:
+        module = module.cuda().half()
+    return wrapper_cls(module, **kwargs)
+
+
+def auto_wrap(module: nn.Module, auto_wrap_policy: AutoWrapPolicy | None = None, **kwargs: Any) -> nn.Module:
+    """Inside :func:`enable_wrap`, wrap the submodules of ``module`` (and ``module`` itself) that the
+    policy picks, innermost first; outside it, return ``module`` unchanged.
+
+    Children are replaced in place (``setattr`` on their parent); the return value is ``module``,
+    or its wrapper if the policy wrapped the root too. Modules that already are instances of the
+    wrapper class are left as they are and their parameters count as wrapped, so ``auto_wrap`` may
+    be applied again after wrapping some modules by hand (fairscale refuses that).
+
+    Args:
+        module: the root of the tree to wrap.
+        auto_wrap_policy: decides what to descend into and what to wrap (see the module
+            docstring); default: the ``enable_wrap`` context's policy.
+        kwargs: wrapper kwargs for the wrappers built here, over the context's (as :func:`wrap`).
+
+    Tied parameters must end up in one wrapper: pick a policy that wraps their common ancestor.
+    """
+    ctx = _context
+    if ctx is None:
+        return module
+    policy = ctx.auto_wrap_policy if auto_wrap_policy is None else auto_wrap_policy
+    wrapper_types = tuple(
+        cls for cls in (ctx.wrapper_cls, kwargs.get("wrapper_cls")) if isinstance(cls, type)
+    )
+    walker = _Walker(_policy_caller(policy), wrapper_types, kwargs)
+    wrapped, _ = walker.visit(module, module_is_root=True)
+    return wrapped
+
+
+_PolicyCall = Callable[[nn.Module, bool, int, bool], bool]  # (module, recurse, unwrapped, is_root)
+
+
+def _policy_caller(policy: AutoWrapPolicy) -> _PolicyCall:
+    """Adapt ``policy`` to one calling convention: fairscale's, or torch FSDP1's ``nonwrapped_numel``."""
+    if not callable(policy):
+        raise TypeError(f"auto_wrap_policy must be callable, got {policy!r}")
+    try:
+        names = set(inspect.signature(policy).parameters)
+    except (TypeError, ValueError):  # no inspectable signature: assume fairscale's convention
+        names = set()
+    if "nonwrapped_numel" in names and "unwrapped_params" not in names:
+
+        def call_torch_style(module: nn.Module, recurse: bool, unwrapped: int, is_root: bool) -> bool:
+            return bool(policy(module=module, recurse=recurse, nonwrapped_numel=unwrapped))
+
+        return call_torch_style
+
+    def call(module: nn.Module, recurse: bool, unwrapped: int, is_root: bool) -> bool:
+        return bool(
+            policy(module=module, recurse=recurse, unwrapped_params=unwrapped, module_is_root=is_root)
+        )
+
+    return call
+
+
+class _Walker:
+    """One bottom-up pass of :func:`auto_wrap` over a module tree."""
+
+    policy: _PolicyCall
+    wrapper_types: tuple[type, ...]  # instances of these are already wrapped: never entered
+    kwargs: dict[str, Any]  # wrapper kwargs of this auto_wrap call
+
+    def __init__(self, policy: _PolicyCall, wrapper_types: tuple[type, ...], kwargs: dict[str, Any]) -> None:
+        self.policy, self.wrapper_types, self.kwargs = policy, wrapper_types, kwargs
+
+    def visit(self, module: nn.Module, module_is_root: bool) -> tuple[nn.Module, int]:
+        """Wrap what the policy picks under (and including) ``module``.
+
+        Returns the module (or its wrapper) and how many parameter elements this call wrapped.
+        """
+        if isinstance(module, self.wrapper_types):
+            return module, 0
+        unwrapped = self.unwrapped_numel(module)
+        if not self.policy(module, True, unwrapped, module_is_root):
+            return module, 0
+        wrapped = 0
+        for name, child in list(module.named_children()):
+            new_child, numel = self.visit(child, module_is_root=False)
+            if new_child is not child:
+                setattr(module, name, new_child)
+            wrapped += numel
+        if self.policy(module, False, unwrapped - wrapped, module_is_root):
+            return wrap(module, **self.kwargs), unwrapped
+        return module, wrapped
+
+    def unwrapped_numel(self, module: nn.Module) -> int:
+        """Elements of the distinct parameters under ``module`` that no existing wrapper owns."""
+        seen_params: set[int] = set()
+        seen_modules: set[int] = set()
+        total = 0
+        stack = [module]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen_modules:
+                continue
+            seen_modules.add(id(m))
+            for p in m.parameters(recurse=False):
+                if id(p) not in seen_params:
+                    seen_params.add(id(p))
+                    total += p.numel()
+            stack.extend(c for c in m.children() if not isinstance(c, self.wrapper_types))
+        return total

@@ -1,0 +1,147 @@
+"""Wrapping policies with the real FSDP wrapper: auto-wrapped models train exactly like a plain model,
+and layers wrapped while the model is built are sharded as soon as they are created."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp import (
+    FullyShardedDataParallel,
+    auto_wrap,
+    default_auto_wrap_policy,
+    enable_wrap,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+from tests.parity import compare_training
+from tests.rank_pool import RankPool
+
+TOL = 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)  # 72 elements
+        self.norm = nn.LayerNorm(8)  # 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.tanh(self.fc(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)  # 56
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])  # 88 each
+        self.out = nn.Linear(8, 3)  # 27
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+class BuiltWithWrap(nn.Module):
+    """Marks layers for wrapping as it creates them; records each one's local size right after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel_at_creation: list[int] = []
+        self.a = self._made(wrap(nn.Linear(6, 7)))  # 49 elements: padded on 2 and 3 ranks
+        self.b = nn.Linear(7, 7)
+        self.c = self._made(wrap(nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))))  # 58
+
+    def _made(self, layer: nn.Module) -> nn.Module:
+        self.numel_at_creation.append(sum(p.numel() for p in layer.parameters()))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(self.a(x))))
+
+
+def _vec(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randn(n, 6, generator=g)
+
+
+def _mean_sq(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def _wrapped_paths(model: nn.Module) -> list[str]:
+    paths = []
+    for name, m in model.named_modules():
+        if isinstance(m, FullyShardedDataParallel):
+            parts = [p for p in name.split(".") if p and p != "_fsdp_wrapped_module"]
+            paths.append(".".join(parts) or "<root>")
+    return sorted(paths)
+
+
+def _auto_wrap_parity(policy_name: str) -> tuple[bool, list[str], dict[str, float]]:
+    torch.manual_seed(0)
+    ref = Stack()
+    policy = {
+        "transformer": transformer_auto_wrap_policy({Block}),
+        # each block's fc (72) passes 70, the rest of a block (16) does not; inp (56) and out (27)
+        # do not either, so the root's remainder (131) is wrapped by auto_wrap itself
+        "size": functools.partial(default_auto_wrap_policy, min_num_params=70),
+    }[policy_name]
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+        model = auto_wrap(copy.deepcopy(ref), policy)
+    root_wrapped = isinstance(model, FullyShardedDataParallel)
+    if not root_wrapped:
+        model = FullyShardedDataParallel(model)
+    return root_wrapped, _wrapped_paths(model), compare_training(ref, model, _vec, _mean_sq, steps=3)
+
+
+def _built_inside_enable_wrap() -> tuple[list[int], list[int], dict[str, float]]:
+    torch.manual_seed(0)
+    ref = BuiltWithWrap()  # outside enable_wrap: plain layers, same initial weights
+    torch.manual_seed(0)
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+        model = BuiltWithWrap()
+    assert isinstance(model.a, FullyShardedDataParallel) and isinstance(model.c, FullyShardedDataParallel)
+    assert not isinstance(model.b, FullyShardedDataParallel) and not isinstance(
+        ref.a, FullyShardedDataParallel
+    )
+    full = [sum(p.numel() for p in m.parameters()) for m in (ref.a, ref.c)]
+    at_creation = model.numel_at_creation
+    model = FullyShardedDataParallel(model)
+    return full, at_creation, compare_training(ref, model, _vec, _mean_sq, steps=3)
+
+
+def _check(diffs: dict[str, float], rank: int) -> None:
+    for what, value in diffs.items():
+        assert value <= TOL, f"rank {rank}: {what} differs by {value:.3g}: {diffs}"
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize(
+    ("policy", "root_by_policy", "expected"),
+    [
+        ("transformer", False, ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        ("size", True, ["<root>", "blocks.0.fc", "blocks.1.fc", "blocks.2.fc"]),
+    ],
+)
+def test_auto_wrap_trains_like_a_local_model(
+    pool: RankPool, policy: str, root_by_policy: bool, expected: list[str]
+) -> None:
+    for rank, (root_wrapped, paths, diffs) in enumerate(pool.run(_auto_wrap_parity, policy)):
+        assert (root_wrapped, paths) == (root_by_policy, expected)
+        _check(diffs, rank)
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_layers_wrapped_while_building_are_sharded_as_created(pool: RankPool) -> None:
+    for rank, (full, at_creation, diffs) in enumerate(pool.run(_built_inside_enable_wrap)):
+        assert full == [49, 58]
+        # each layer held its 1/N shard (padded up) as soon as wrap() returned inside __init__
+        assert at_creation == [math.ceil(n / pool.world_size) for n in full]
+        _check(diffs, rank)
