@@ -35,7 +35,7 @@ from tqdm import tqdm
 # Make the library importable from a plain checkout (no `pip install -e .` needed).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import ShardedGradScaler
+from fsdp import ShardedGradScaler, ShardingStrategy, auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
 
 # --------------------------------------------------------------------------------------------------
@@ -71,6 +71,12 @@ def parse_args() -> argparse.Namespace:
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
         help="compute dtype; bf16/fp16 keep fp32 master weights (mixed precision), fp16 adds loss scaling",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=[s.name for s in ShardingStrategy],
+        default="FULL_SHARD",
+        help="how parameters, gradients and optimizer state are spread over ranks (docs/strategies.md)",
     )
     p.add_argument("--out-dir", type=str, default="out/")
     return p.parse_args()
@@ -251,17 +257,18 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates the tied weight
     model = model.to(device)
 
-    # Nested FSDP: each block is its own unit, so its full parameters are all-gathered just before
-    # its forward (and again for its backward) and freed right after (reshard_after_forward). Peak
-    # memory is then ~ one block's full parameters + every unit's shards, instead of the full model.
+    # Nested FSDP through a wrapping policy: every transformer Block becomes its own unit, so its
+    # full parameters are all-gathered just before its forward (and, with FULL_SHARD, again for its
+    # backward) and freed right after. The root wrapper owns what is left: wte/lm_head (tied), wpe
+    # and ln_f. See docs/strategies.md for what each --strategy costs in memory and communication.
     # Mixed precision: each unit casts its fp32 shard to bf16/fp16 *before* the all-gather (half the
     # bytes on the wire), computes in that dtype, and reduces gradients back onto the fp32 shard.
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     precision = {"mixed_precision": True, "compute_dtype": low} if low is not None else {}
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = FSDP(block, reshard_after_forward=True, **precision)
-    # The root owns what is left: wte/lm_head (tied), wpe and ln_f.
-    model = FSDP(model, **precision)
+    fsdp_kwargs = {"sharding_strategy": ShardingStrategy[args.strategy], **precision}
+    with enable_wrap(wrapper_cls=FSDP, auto_wrap_policy=transformer_auto_wrap_policy({Block}), **fsdp_kwargs):
+        model = auto_wrap(model)
+    model = FSDP(model, **fsdp_kwargs)
     # fp16 gradients can underflow: scale the loss. The sharded scaler agrees across ranks on
     # which steps overflowed, so every rank skips the same steps.
     scaler = ShardedGradScaler(enabled=args.dtype == "fp16")
