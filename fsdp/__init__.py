@@ -6,6 +6,7 @@ Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the de
 from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, TrainingState
 from fsdp.checkpoint import checkpoint_wrapper
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
+from fsdp.offload_model import OffloadModel
 from fsdp.sharded_grad_scaler import ShardedGradScaler
 from fsdp.wrap import (
     auto_wrap,
@@ -21,6 +22,7 @@ __all__ = [
     "FSDP",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "OffloadModel",
     "ProcessGroupName",
     "ShardedGradScaler",
     "ShardingStrategy",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceHandle", "default_compute_device", "is_accelerator"]
+__all__ = ["DeviceHandle", "default_compute_device", "device_available", "is_accelerator"]
 
 
 class _NullStream:
@@ -60,6 +60,54 @@ class DeviceHandle:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    # Events, pinned memory and RNG state (added for OffloadModel). Every method is a no-op or an
+    # identity on CPU, so callers need no device checks of their own.
+
+    def record_event(self, stream: Any) -> Any:
+        """An event marking the work queued so far on ``stream``; ``None`` on CPU."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)  # type: ignore[no-untyped-call]
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait (on the device, not the host) for ``event``; no-op for ``None``."""
+        if self.is_cuda and event is not None:
+            stream.wait_event(event)
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until ``event`` has completed; no-op for ``None``."""
+        if self.is_cuda and event is not None:
+            event.synchronize()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` still reads ``tensor`` (CUDA tensors only)."""
+        if self.is_cuda and tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in page-locked memory when it is on the CPU and this handle is CUDA; else itself.
+
+        Pinned host memory is what lets host<->device copies run asynchronously on a side stream.
+        """
+        if self.is_cuda and tensor.device.type == "cpu" and not tensor.is_pinned():
+            return tensor.pin_memory()
+        return tensor
+
+    def should_pin(self, host_device: torch.device) -> bool:
+        """Whether host buffers on ``host_device`` that feed this device should be pinned."""
+        return self.is_cuda and host_device.type == "cpu"
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        """The device's RNG state (CUDA), or ``None`` where the CPU generator is the only one."""
+        return torch.cuda.get_rng_state(self.device) if self.is_cuda else None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        """Restore a state from :meth:`get_rng_state`; no-op for ``None``."""
+        if self.is_cuda and state is not None:
+            torch.cuda.set_rng_state(state, self.device)
+
 
 def is_accelerator(device: torch.device) -> bool:
     return device.type == "cuda"
@@ -78,3 +126,15 @@ def default_compute_device(param_devices: set[torch.device]) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def device_available(device: torch.device) -> bool:
+    """Whether tensors can be placed on ``device`` in this process (CUDA: built, present, in range).
+
+    Devices other than CUDA are left to torch to refuse at first use.
+    """
+    if device.type != "cuda":
+        return True
+    if not torch.cuda.is_available():
+        return False
+    return device.index is None or device.index < torch.cuda.device_count()
