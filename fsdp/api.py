@@ -19,6 +19,7 @@ __all__ = [
     "FSDPConfig",
     "MemoryState",
     "MixedPrecision",
+    "OffloadConfig",
     "PrecisionConfig",
     "ProcessGroupName",
     "ShardingConfig",
@@ -217,6 +218,29 @@ class StateDictConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """CPU offload of the master shards and their gradients (fairscale's ``move_params_to_cpu``).
+
+    With a CUDA compute device the fp32 shard lives in pinned host memory, is copied to the device
+    for each all-gather, and the reduced gradient shard is copied back, so the optimizer steps on the
+    CPU. On a CPU compute device the options change nothing (the data is already there).
+    """
+
+    params_to_cpu: bool = False
+    grads_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool("move_params_to_cpu", self.params_to_cpu)
+        _check_bool("move_grads_to_cpu", self.grads_to_cpu)
+        if self.params_to_cpu != self.grads_to_cpu:
+            raise ValueError(
+                "FullyShardedDataParallel: move_grads_to_cpu must equal move_params_to_cpu: a torch optimizer "
+                "needs each gradient on its parameter's device. Leave move_grads_to_cpu unset (it follows "
+                "move_params_to_cpu)"
+            )
+
+
+@dataclass(frozen=True)
 class FSDPConfig:
     """Everything a wrapper was configured with, validated once at construction."""
 
@@ -225,6 +249,7 @@ class FSDPConfig:
     comm: CommConfig
     state_dict: StateDictConfig
     compute_device: torch.device
+    offload: OffloadConfig = OffloadConfig()
     no_broadcast_optim_state: bool = False
     allow_reset_parameters: bool = False
     verbose: bool = False

@@ -38,6 +38,7 @@ from fsdp.api import (
     FSDPConfig,
     MemoryState,
     MixedPrecision,
+    OffloadConfig,
     ProcessGroupName,
     ShardingConfig,
     ShardingStrategy,
@@ -152,10 +153,9 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
             )
-        _reject_unbuilt(
-            move_params_to_cpu=move_params_to_cpu,
-            cpu_offload=cpu_offload,
-            move_grads_to_cpu=move_grads_to_cpu,
+        params_to_cpu = bool(move_params_to_cpu or cpu_offload)
+        offload = OffloadConfig(
+            params_to_cpu, params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
         )
         strategy, reshard_after_forward = _resolve_strategy(sharding_strategy, reshard_after_forward)
         groups = _resolve_groups(strategy, process_group)
@@ -218,6 +218,7 @@ class FullyShardedDataParallel(nn.Module):
                 state_dict_on_rank_0_only,
             ),
             compute_device=device,
+            offload=offload,
             no_broadcast_optim_state=bool(no_broadcast_optim_state),
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
@@ -237,6 +238,7 @@ class FullyShardedDataParallel(nn.Module):
                 stats,
                 precision.param_dtype,
                 precision.reduce_dtype,
+                offload.params_to_cpu,
             )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
@@ -285,6 +287,19 @@ class FullyShardedDataParallel(nn.Module):
     def rank(self) -> int:
         """This rank's index among :attr:`world_size`."""
         return self.config.comm.dp_rank
+
+    @property
+    def move_params_to_cpu(self) -> bool:
+        return self.config.offload.params_to_cpu
+
+    @property
+    def move_grads_to_cpu(self) -> bool:
+        return self.config.offload.grads_to_cpu
+
+    @property
+    def cpu_offload(self) -> bool:
+        """fairscale's older name of :attr:`move_params_to_cpu`."""
+        return self.config.offload.params_to_cpu
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:

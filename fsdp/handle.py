@@ -53,6 +53,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fsdp._device import DeviceHandle
 from fsdp.api import CommConfig, MemoryState
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
@@ -91,7 +92,8 @@ class FlatParamHandle:
     compute_dtype: torch.dtype  # dtype of the all-gather and of compute
     reduce_dtype: torch.dtype | None  # dtype of the gradient reduce-scatter (None: the gradient's)
     _shard: torch.Tensor  # (chunk,) local master shard, meta.dtype (fp32 under mixed precision)
-    _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype copy of the shard for the all-gather; freed
+    _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype device copy of the shard to all-gather; freed
+    offloaded: bool  # the master shard (and its gradient) lives on the CPU, compute on another device
     _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
     _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
     _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
@@ -114,6 +116,7 @@ class FlatParamHandle:
         stats: CommStats,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
     ) -> None:
         self.meta = make_meta(entries, shared)
         self.comm = comm
@@ -128,10 +131,15 @@ class FlatParamHandle:
             padded = torch.zeros(self.spec.padded_numel, dtype=flat.dtype, device=device)
             padded[: flat.numel()].copy_(flat)
             del flat
-        if comm.world_size == 1 and not self.mixed:
+        # With CPU offload the master shard lives in (pinned) host memory; on a CPU compute device
+        # that is where it is anyway, and nothing changes.
+        self.offloaded = offload and device.type != "cpu"
+        if comm.world_size == 1 and not self.mixed and not self.offloaded:
             self._shard = self._full = padded
         else:
             self._shard = padded[self.spec.start : self.spec.end].clone()
+            if self.offloaded:
+                self._shard = DeviceHandle(device).pin_memory(self._shard.cpu())
             if self.mixed:
                 self._full = torch.empty(self.spec.padded_numel, dtype=self.compute_dtype, device=device)
             else:
@@ -139,8 +147,9 @@ class FlatParamHandle:
             _free_storage(self._full)
         self._full_precision = self._lp_shard = None
         if self.mixed:
-            self._full_precision = padded
+            self._full_precision = padded  # the master-dtype full buffer (summon, state dict)
             _free_storage(self._full_precision)
+        if self.mixed or self.offloaded:
             self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
             _free_storage(self._lp_shard)
         self._active = self._full
@@ -204,7 +213,8 @@ class FlatParamHandle:
             if self.spec.world_size == 1:
                 buf.copy_(self._shard)
             else:
-                all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
+                source = self._shard.to(buf.device)  # a device copy when the shard is offloaded
+                all_gather(buf, source, self.comm.process_group, self.stats).wait()
         else:
             buf = self._full
             if not self.aliased and not (self._full_valid and self._full_version == self.flat_param._version):
@@ -220,10 +230,11 @@ class FlatParamHandle:
             all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
             return
         if self.spec.world_size == 1:
-            buf.copy_(self._shard)  # cast
+            buf.copy_(self._shard)  # cast and/or host-to-device copy
             return
         _alloc_storage(self._lp_shard)
-        self._lp_shard.copy_(self._shard)  # cast before the all-gather: half the bytes on the wire
+        # cast before the all-gather (half the bytes on the wire), and/or copy the offloaded shard in
+        self._lp_shard.copy_(self._shard)
         all_gather(buf, self._lp_shard, self.comm.process_group, self.stats).wait()
         _free_storage(self._lp_shard)
 
@@ -307,7 +318,10 @@ class FlatParamHandle:
     def prepare_gradient_for_backward(self) -> None:
         """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
         grad = self.flat_param.grad
-        if grad is None or (grad.shape == self.flat_param.shape and grad.dtype == self.flat_param.dtype):
+        param = self.flat_param
+        if grad is None or (
+            grad.shape == param.shape and grad.dtype == param.dtype and grad.device == param.device
+        ):
             return
         assert self._saved_grad_shard is None, "gradient stashed twice in one backward"
         self._saved_grad_shard = grad
@@ -373,7 +387,8 @@ class FlatParamHandle:
             all_reduce(out, self.comm.replicate_group, stats=self.stats).wait()
         if self.comm.gradient_postdivide_factor != 1:
             out.div_(self.comm.gradient_postdivide_factor)
-        out = out.to(self.meta.dtype)  # gradients always land on the master shard in its dtype
+        # gradients always land on the master shard: its dtype, and its device (CPU when offloaded)
+        out = out.to(device=self._shard.device, dtype=self.meta.dtype)
         if self._saved_grad_shard is not None:
             out = self._saved_grad_shard.add_(out)
             self._saved_grad_shard = None

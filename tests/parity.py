@@ -31,7 +31,7 @@ def shard_of(full_flat: torch.Tensor, handle: Any) -> torch.Tensor:
         device=full_flat.device,
     )
     padded[: full_flat.numel()] = full_flat
-    return padded[handle.spec.start : handle.spec.end]
+    return padded[handle.spec.start : handle.spec.end].to(handle.flat_param.device)
 
 
 def reference_flat(ref: nn.Module, names: list[str], what: str) -> torch.Tensor | None:

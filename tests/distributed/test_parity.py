@@ -46,6 +46,8 @@ def test_parity_default_options(pool: RankPool, case: str) -> None:
         {"disable_reshard_on_root": False},
         {"process_group_reduce_scatter": "default"},
         {"gradient_predivide_factor": 1.0},
+        {"move_params_to_cpu": True},
+        {"cpu_offload": True, "move_grads_to_cpu": True},
     ],
     ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()),
 )

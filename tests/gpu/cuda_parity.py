@@ -27,17 +27,23 @@ def main() -> int:
     dist.init_process_group("nccl")
     device = torch.device("cuda", local_rank)
     worst: dict[str, float] = {}
-    for name in ("nested", "tiny", "frozen_mixed", "called_twice", "tied"):
+    cases = [(name, {}) for name in ("nested", "tiny", "frozen_mixed", "called_twice", "tied")]
+    cases += [("nested", {"move_params_to_cpu": True}), ("tied", {"move_params_to_cpu": True})]
+    for name, kwargs in cases:
         spec = CASES[name]
         ref = build(name).to(device)
-        model = wrap(copy.deepcopy(ref), spec.wrap)
-        assert all(p.device == device for p in model.parameters()), "shards live on the compute device"
+        model = wrap(copy.deepcopy(ref), spec.wrap, **kwargs)
+        home = torch.device("cpu") if kwargs else device
+        assert all(p.device == home for p in model.parameters()), (
+            "shards live on the compute device or the CPU"
+        )
 
         def make_input(g: torch.Generator, n: int, _spec=spec) -> torch.Tensor:  # type: ignore[no-untyped-def]
             return _spec.make_input(g, n).to(device)
 
         diffs = compare_training(ref, model, make_input, spec.loss, steps=3)
-        worst[name] = max(diffs.values())
+        assert all(p.grad is None or p.grad.device == home for p in model.parameters()), "gradients follow"
+        worst[name + ("+offload" if kwargs else "")] = max(diffs.values())
     ok = all(v <= 1e-4 for v in worst.values())
     if dist.get_rank() == 0:
         print(

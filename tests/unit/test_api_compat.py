@@ -77,21 +77,26 @@ def test_methods_take_fairscale_arguments(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "match"),
     [
-        {"move_params_to_cpu": True},
-        {"cpu_offload": True},
-        {"move_grads_to_cpu": True},
+        (
+            {"move_params_to_cpu": True, "move_grads_to_cpu": False},
+            "move_grads_to_cpu must equal move_params_to_cpu",
+        ),
+        ({"move_grads_to_cpu": True}, "move_grads_to_cpu must equal move_params_to_cpu"),
     ],
-    ids=lambda k: next(iter(k)),
 )
-def test_unbuilt_options_raise_naming_the_option(single_rank_group: None, kwargs: dict) -> None:
-    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    name = next(iter(kwargs))
-    with pytest.raises(NotImplementedError, match=name):
+def test_offload_options_must_agree(single_rank_group: None, kwargs: dict, match: str) -> None:
+    module = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=match):
         FSDP(module, **kwargs)
     # nothing was flattened: the module is intact
-    assert [n for n, _ in module.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert [n for n, _ in module.named_parameters()] == ["weight", "bias"]
+
+
+def test_offload_flags_are_visible_under_fairscale_names(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2), cpu_offload=True)
+    assert model.move_params_to_cpu and model.move_grads_to_cpu and model.cpu_offload
 
 
 def test_equal_dtypes_are_accepted(single_rank_group: None) -> None:
