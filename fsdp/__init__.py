@@ -5,6 +5,7 @@ Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the de
 
 from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, TrainingState
 from fsdp.checkpoint import checkpoint_wrapper
+from fsdp.data_parallel import DistributedDataParallel
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
 from fsdp.offload_model import OffloadModel
 from fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -20,6 +21,7 @@ from fsdp.wrap import (
 
 __all__ = [
     "FSDP",
+    "DistributedDataParallel",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "OffloadModel",
