@@ -29,11 +29,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fsdp import OffloadModel
+from fsdp import FSDP, OffloadModel
 
 # ---------------------------------------------------------------------------- config
 LAYERS, WIDTH, BATCH = 24, 4096, 16  # 24 x Linear(4096, 4096): 1.6 GB fp32 parameters
@@ -147,8 +148,28 @@ def run(layers: int, width: int, batch: int, steps: int, warmup: int, device: to
 
         return make
 
+    def fsdp(move_params_to_cpu: bool) -> Callable[[], nn.Module]:
+        """FSDP at world size 1, one unit per Linear, optionally with the shards kept on the CPU."""
+
+        def make() -> nn.Module:
+            model = build(layers, width)
+            model.load_state_dict(initial)
+            if not move_params_to_cpu:
+                model = model.to(device)
+            kwargs = {"compute_device": device, "move_params_to_cpu": move_params_to_cpu}
+            for i, layer in enumerate(model):
+                if isinstance(layer, nn.Linear):
+                    model[i] = FSDP(layer, **kwargs)
+            return FSDP(model, **kwargs)
+
+        return make
+
     plain_row, reference = measure("plain", plain, x, None, steps, warmup, None)
     rows = [plain_row]
+    for offload_params in (False, True):
+        name = "fsdp ws=1" + (" move_params_to_cpu" if offload_params else "")
+        row, _ = measure(name, fsdp(offload_params), x, reference, steps, warmup, None)
+        rows.append(row)
     for options in OFFLOAD_CONFIGS:
         num_slices, ckpt, mb = options
         if num_slices > 2 * layers:
@@ -204,6 +225,9 @@ def main() -> int:
         f"model: {sizes['layers']} x Linear({sizes['width']}, {sizes['width']}) + ReLU, "
         f"{param_mib:.1f} MiB fp32 parameters; batch {sizes['batch']}; device {device_name}"
     )
+    if not dist.is_initialized():  # FSDP rows run at world size 1
+        store = dist.HashStore()
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
     rows = run(device=device, **sizes)
     print(table(rows))
     if args.out is not None:

@@ -614,6 +614,7 @@ def test_benchmark_script_runs_a_cpu_smoke_version(
     assert report["cuda"] is False
     names = {row["name"] for row in report["rows"]}
     assert "plain" in names and any(name.startswith("offload") for name in names)
+    assert {"fsdp ws=1", "fsdp ws=1 move_params_to_cpu"} <= names
     assert all(row["max_abs_diff_vs_plain"] <= 1e-5 for row in report["rows"])
 
 
