@@ -46,6 +46,7 @@ from fsdp.api import (
     TrainingState,
     default_gradient_predivide_factor,
 )
+from fsdp.buckets import BucketConfig, GradBucketer
 from fsdp.collectives import CommStats, all_reduce, get_process_group_cached, hybrid_groups
 from fsdp.flat_param import group_params
 from fsdp.handle import FlatParamHandle
@@ -71,6 +72,8 @@ class _RootContext:
     wrappers: list[FullyShardedDataParallel]  # root first, then nested wrappers in module order
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
     sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
+    bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
+    bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -78,6 +81,8 @@ class _RootContext:
         self.wrappers = wrappers
         self.callback_queued = False
         self.sync = True
+        self.bucketer = None
+        self.bucket_index = {}
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -386,6 +391,7 @@ class FullyShardedDataParallel(nn.Module):
         sharding = self.config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         _check_same_wrappers_on_all_ranks(self, wrappers)
+        _make_bucketer(self, ctx)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -467,6 +473,8 @@ class FullyShardedDataParallel(nn.Module):
             ctx.callback_queued = True
             root = ctx.wrappers[0]
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
+            if ctx.sync and ctx.bucketer is not None:
+                ctx.bucketer.begin_backward()
         if self._pre_backward_done:
             return grad
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
@@ -490,8 +498,13 @@ class FullyShardedDataParallel(nn.Module):
                     "Compute the loss from the outputs of the FSDP forward"
                 )
             self.training_state = TrainingState.BACKWARD_POST
-            assert self._ctx is not None
-            handle.reduce_grad(sync=self._ctx.sync)
+            ctx = self._ctx
+            assert ctx is not None
+            index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
+            handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            if index is not None:
+                assert ctx.bucketer is not None
+                ctx.bucketer.grad_ready(index)
             if all(h.reduced_this_backward for h in self.handles if h.requires_grad):
                 for h in self.handles:
                     if not h.requires_grad:
@@ -507,11 +520,15 @@ class FullyShardedDataParallel(nn.Module):
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
                 _check_same_reductions_on_all_ranks(self, ctx.wrappers)
+                if ctx.bucketer is not None:
+                    _finish_buckets(ctx)
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.finalize_gradient()
                     h.reshard(free_full=ctx.sync)
         finally:
+            if ctx.bucketer is not None and ctx.bucketer._active:
+                ctx.bucketer.abort()
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.reduced_this_backward = False
@@ -814,15 +831,6 @@ def get_fsdp_instances(module: nn.Module) -> list[FullyShardedDataParallel]:
 
 
 # ---------------------------------------------------------------------- helpers
-def _reject_unbuilt(**options: Any) -> None:
-    for name, value in options.items():
-        if value:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: `{name}={value!r}` is not implemented yet in fsdp; "
-                f"leave it at its default"
-            )
-
-
 def _resolve_strategy(strategy: Any, reshard_after_forward: bool) -> tuple[ShardingStrategy, bool]:
     """fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` as one decision."""
     if not isinstance(reshard_after_forward, bool):
@@ -1020,6 +1028,49 @@ def _check_same_reductions_on_all_ranks(
             f"{list(h.meta.fqns)[:4]}...) while another rank did the opposite. Every rank must run the same modules "
             "and use the same parameters in its loss"
         )
+
+
+def _make_bucketer(root: FullyShardedDataParallel, ctx: _RootContext) -> None:
+    """A bucket engine for the tree's NO_SHARD flat parameters (shared with DistributedDataParallel).
+
+    Buckets of about ``bucket_cap_mb`` are learned in the first backward (rank 0's layout wins) and
+    each is all-reduced as soon as its last flat parameter's gradient is ready.
+    """
+    handles = [
+        (w, h)
+        for w in ctx.wrappers
+        for h in w.handles
+        if h.requires_grad and h.spec.world_size == 1 and h.comm.replicate_group is not None
+    ]
+    groups = {id(h.comm.replicate_group) for _, h in handles}
+    factors = {h.comm.gradient_predivide_factor for _, h in handles}
+    if not handles or len(groups) > 1 or len(factors) > 1:
+        return  # none, or mixed groups: every flat parameter is all-reduced on its own
+    _, first = handles[0]
+    assert first.comm.replicate_group is not None
+    message = max(1, int(root.config.comm.bucket_cap_mb * 2**20 / 4))
+    ctx.bucketer = GradBucketer(
+        [h.flat_param for _, h in handles],
+        [f"{_wrapper_path(root, w)}:{'+'.join(h.meta.fqns)}" for w, h in handles],
+        first.comm.replicate_group,
+        BucketConfig(message_size=message, gradient_predivide_factor=first.comm.gradient_predivide_factor),
+        ctx.device,
+        stats=ctx.stats,
+    )
+    ctx.bucket_index = {id(h): i for i, (_, h) in enumerate(handles)}
+
+
+def _finish_buckets(ctx: _RootContext) -> None:
+    """Hand the bucket engine the flat parameters that got no gradient this backward (on every rank,
+    as the consistency check ensured), then wait for every bucket."""
+    bucketer = ctx.bucketer
+    assert bucketer is not None
+    for w in ctx.wrappers:
+        for h in w.handles:
+            index = ctx.bucket_index.get(id(h))
+            if index is not None and not h.reduced_this_backward:
+                bucketer.grad_ready(index)  # contributes zeros; a None gradient stays None
+    bucketer.finish_backward()
 
 
 def _put(destination: dict[str, Any], key: str, value: torch.Tensor | None) -> None:

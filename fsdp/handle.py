@@ -103,6 +103,7 @@ class FlatParamHandle:
     _pending: Pending | None  # in-flight reduction of this backward
     _all_reduce_after: bool  # HYBRID_SHARD: all-reduce the reduced shard across replicas when it is ready
     _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
+    _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     reduced_this_backward: bool
 
@@ -161,6 +162,7 @@ class FlatParamHandle:
         self._pending = None
         self._all_reduce_after = False
         self._grad_acc = None
+        self._bucketed = False
         self.reduced_this_backward = False
         self._placeholders = [
             torch.empty(info.shape, dtype=self.meta.dtype, device="meta") for info in self.meta.params
@@ -327,7 +329,7 @@ class FlatParamHandle:
         self._saved_grad_shard = grad
         self.flat_param.grad = None
 
-    def reduce_grad(self, sync: bool = True) -> None:
+    def reduce_grad(self, sync: bool = True, bucketed: bool = False) -> None:
         """Launch the reduction of the full gradient; reshard. Runs in the post-backward hook.
 
         Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
@@ -338,6 +340,10 @@ class FlatParamHandle:
         With ``sync=False`` (inside ``no_sync``) nothing is communicated: the full gradient is added
         to a local accumulator and the full parameter is kept for the next forward. See
         [Note: no_sync].
+
+        With ``bucketed`` (NO_SHARD under a root that owns a bucket engine) nothing is launched here:
+        the gradient is left on ``flat_param.grad`` in the master dtype, for the engine to reduce
+        with its neighbours in one bucket; ``finalize_gradient`` then only accumulates.
         """
         grad = self.flat_param.grad
         assert grad is not None and grad.shape == self.flat_param.shape, (
@@ -354,6 +360,14 @@ class FlatParamHandle:
         if self._grad_acc is not None:
             grad = self._grad_acc.add_(grad)
             self._grad_acc = None
+        if bucketed:
+            full = grad.to(device=self._shard.device, dtype=self.meta.dtype)
+            self.reshard(free_full=True)
+            self.flat_param.grad = full  # NO_SHARD: the full gradient is shard-shaped
+            self._pending = None
+            self._bucketed = True
+            self.reduced_this_backward = True
+            return
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
         grad = grad.contiguous()
@@ -375,6 +389,15 @@ class FlatParamHandle:
 
     def finalize_gradient(self) -> None:
         """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""
+        if self._bucketed:  # reduced (and averaged) in place by the bucket engine
+            self._bucketed = False
+            if self._saved_grad_shard is not None:
+                grad = self.flat_param.grad
+                self.flat_param.grad = (
+                    self._saved_grad_shard if grad is None else self._saved_grad_shard.add_(grad)
+                )
+                self._saved_grad_shard = None
+            return
         if self._pending is None:
             if self._saved_grad_shard is not None:  # no new gradient this backward: restore the old one
                 self.flat_param.grad = self._saved_grad_shard

@@ -57,10 +57,10 @@ def test_hybrid_shard_2x2_parity(pool: RankPool, hybrid: str, case: str) -> None
         assert max(diffs.values()) <= TOL, diffs
 
 
-def _step_collectives(strategy: str) -> dict[str, Any]:
+def _step_collectives(strategy: str, bucket_cap_mb: int = 25) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1))
-    kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy]}
+    kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy], "bucket_cap_mb": bucket_cap_mb}
     if strategy == "HYBRID_SHARD":
         kwargs["process_group"] = hybrid_groups(2)
     net[0], net[1] = FSDP(net[0], **kwargs), FSDP(net[1], **kwargs)
@@ -88,8 +88,13 @@ def test_collectives_issued_by_each_strategy(pool: RankPool) -> None:
     assert grad_op["reduce_scatter"] == full["reduce_scatter"]
     no_shard = pool.run(_step_collectives, "NO_SHARD")[0]
     assert no_shard["all_gather"][0] == 0 and no_shard["reduce_scatter"][0] == 0
-    # one all-reduce per flat parameter (overlapped with backward) plus the 3-element check vector
-    assert no_shard["all_reduce"] == (3 + 1, 2 * unit + root + 2 * 3)
+    # the bucket engine (shared with fsdp.DistributedDataParallel) puts the three flat parameters in
+    # one bucket (25 MB by default), with its one-element missing-gradient flag; plus the check vector
+    assert no_shard["all_reduce"] == (1 + 1, 2 * unit + root + 1 + 2 * 3)
+    assert no_shard["broadcast"] == (0, 0), "the bucket layout is broadcast in the first step only"
+    # with bucket_cap_mb=0 every flat parameter is a bucket of its own
+    tiny = pool.run(_step_collectives, "NO_SHARD", 0)[0]
+    assert tiny["all_reduce"] == (3 + 1, 2 * unit + root + 3 + 2 * 3)
     hybrid = pool.run(_step_collectives, "HYBRID_SHARD")[0]
     assert hybrid["all_gather"] == (5, 4 * pad2[unit] + pad2[root])
     assert hybrid["reduce_scatter"] == (3, 2 * pad2[unit] + pad2[root])
