@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,16 @@ from tqdm import tqdm
 # Make the library importable from a plain checkout (no `pip install -e .` needed).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import ShardedGradScaler, ShardingStrategy, auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from fsdp import (
+    ShardedGradScaler,
+    ShardingStrategy,
+    auto_wrap,
+    enable_wrap,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    transformer_auto_wrap_policy,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,6 +89,17 @@ def parse_args() -> argparse.Namespace:
         help="how parameters, gradients and optimizer state are spread over ranks (docs/strategies.md)",
     )
     p.add_argument("--out-dir", type=str, default="out/")
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        default=100,
+        help="write a resumable checkpoint to OUT_DIR/checkpoints every N steps and at the end (0: never)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in OUT_DIR/checkpoints (any world size)",
+    )
     return p.parse_args()
 
 
@@ -281,6 +302,28 @@ def main() -> None:
     # Every rank draws different training batches (seed + rank): that is what makes it data parallel.
     train_gen = torch.Generator().manual_seed(args.seed + rank)
 
+    # ---- resume ----------------------------------------------------------------------------------
+    # A checkpoint is sharded (each rank writes 1/world_size of the weights and of the AdamW state)
+    # and loads at any world size. Only complete ones count: a save becomes visible when its commit
+    # marker is written, last, so a run killed mid-save resumes from the checkpoint before.
+    ckpt_dir = out_dir / "checkpoints"
+    start_iter, resumed = 0, None
+    if args.resume and latest_checkpoint(ckpt_dir) is not None:
+        latest = latest_checkpoint(ckpt_dir)
+        assert latest is not None
+        resumed = load_checkpoint(latest, model, optimizer)  # collective: every rank loads its shards
+        start_iter = resumed["iter"]
+        if resumed["scaler"]:
+            scaler.load_state_dict(resumed["scaler"])
+        # a fresh stream of batches (the interrupted run's generators are not saved)
+        train_gen.manual_seed(args.seed + rank + 7919 * start_iter)
+        if is_main:
+            print(f"resumed from {latest} at step {start_iter} (saved at another world size is fine)")
+    elif is_main and ckpt_dir.exists():
+        # a fresh run owns --out-dir, like model.pt and the plots it overwrites
+        print(f"{'--resume: no complete checkpoint; ' if args.resume else ''}removing old {ckpt_dir}")
+        shutil.rmtree(ckpt_dir)
+
     def lr_at(it: int) -> float:
         if it < args.warmup_iters:  # linear warmup: Adam's early steps are noisy
             return args.lr * (it + 1) / args.warmup_iters
@@ -330,9 +373,19 @@ def main() -> None:
             tqdm.write(f"iter {it:5d}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
     step_losses: list[float] = []  # rank 0's own per-step loss, for the light line in the plot
+    if resumed is not None:
+        curve.update(resumed["curve"])
+        step_losses.extend(resumed["step_losses"])
     gathered_bytes = 0  # bytes all-gathered by training steps (evaluation excluded)
     t0 = time.perf_counter()
-    pbar = tqdm(range(args.max_iters), disable=not is_main, desc="train", dynamic_ncols=True)
+    pbar = tqdm(
+        range(start_iter, args.max_iters),
+        initial=start_iter,
+        total=args.max_iters,
+        disable=not is_main,
+        desc="train",
+        dynamic_ncols=True,
+    )
     for it in pbar:
         if it % args.eval_interval == 0:
             record(it)
@@ -352,6 +405,11 @@ def main() -> None:
         if is_main:
             step_losses.append(loss.item())
             pbar.set_postfix(loss=f"{step_losses[-1]:.4f}", lr=f"{lr:.1e}")
+        done = it + 1
+        if args.save_interval > 0 and (done % args.save_interval == 0 or done == args.max_iters):
+            # collective: every rank writes its own shards into a fresh directory (rank 0's extra)
+            extra = {"iter": done, "curve": curve, "step_losses": step_losses, "scaler": scaler.state_dict()}
+            save_checkpoint(ckpt_dir / f"step_{done:06d}", model, optimizer, extra=extra)
     pbar.close()
     record(args.max_iters)
     train_s = time.perf_counter() - t0
@@ -386,7 +444,7 @@ def main() -> None:
             "world_size": world_size,
             "device": device.type,
             "train_seconds": round(train_s, 2),
-            "all_gather_bytes_per_step": gathered_bytes // max(1, args.max_iters),
+            "all_gather_bytes_per_step": gathered_bytes // max(1, args.max_iters - start_iter),
             **curve,
             "step_loss_rank0": [round(v, 4) for v in step_losses],
         }
@@ -394,8 +452,8 @@ def main() -> None:
         plot_curve(curve, step_losses, out_dir / "loss_curve.png")
         print(f"wrote {out_dir / 'model.pt'}, {out_dir / 'loss_curve.png'}, {out_dir / 'loss_curve.json'}")
         print(
-            f"train time {train_s:.1f}s ({1000 * train_s / max(1, args.max_iters):.0f} ms/iter incl. evals), "
-            f"{args.dtype}: {gathered_bytes / max(1, args.max_iters) / 2**20:.2f} MiB all-gathered per step per rank"
+            f"train time {train_s:.1f}s ({1000 * train_s / max(1, args.max_iters - start_iter):.0f} ms/iter incl. evals), "
+            f"{args.dtype}: {gathered_bytes / max(1, args.max_iters - start_iter) / 2**20:.2f} MiB all-gathered per step per rank"
         )
         print(
             f"loss: start {curve['train'][0]:.4f} -> end {curve['train'][-1]:.4f} (val {curve['val'][-1]:.4f})"

@@ -5,6 +5,7 @@ Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the de
 
 from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, TrainingState
 from fsdp.checkpoint import checkpoint_wrapper
+from fsdp.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.data_parallel import DistributedDataParallel
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
 from fsdp.offload_model import OffloadModel
@@ -36,6 +37,9 @@ __all__ = [
     "enable_wrap",
     "get_fsdp_instances",
     "lambda_auto_wrap_policy",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "transformer_auto_wrap_policy",
     "wrap",
 ]

@@ -791,14 +791,55 @@ class FullyShardedDataParallel(nn.Module):
                 "inner one: it acts on the whole model"
             )
 
-    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("FullyShardedDataParallel.local_state_dict is not implemented yet")
+    # ------------------------------------------------------------------ state dicts beyond the full one
+    # Bodies live in fsdp/state_dict.py and fsdp/optim_state.py, which never import this module.
+    def _state_layout(self) -> Any:
+        """Where every original parameter and buffer of this wrapper tree lives (a ``fsdp.state_dict.Layout``).
 
-    def load_local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("FullyShardedDataParallel.load_local_state_dict is not implemented yet")
+        Used by the state-dict and optimizer-state methods below and by ``fsdp.checkpoint_io``.
+        Every wrapper must be IDLE.
+        """
+        from fsdp.state_dict import UnitSpec, describe
+
+        wrappers = self._wrappers()
+        for w in wrappers:
+            w.assert_state(TrainingState.IDLE)
+        units = {
+            id(w): UnitSpec(
+                w.module,
+                tuple(w.handles),
+                w._module_param_order,
+                w._buffer_dtypes,
+                w.config.no_broadcast_optim_state,
+            )
+            for w in wrappers
+        }
+        comm = self.config.comm
+        assert comm.dp_group is not None
+        return describe(self, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's flat shards and buffers: the fast path to resume at the same world size and wrap plan.
+
+        Keys ``"<wrapper path>.flat_param_<i>"`` and the buffers' names, plus an identity entry that
+        :meth:`load_local_state_dict` checks. Values are references (as in ``nn.Module.state_dict``).
+        """
+        from fsdp.state_dict import local_state_dict
+
+        return local_state_dict(self._state_layout())
+
+    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
+        """Load this rank's :meth:`local_state_dict`. Another world size, rank or wrap plan raises
+        ``ValueError`` saying which; nothing is written unless every entry fits. Not collective."""
+        from fsdp.state_dict import load_local_state_dict
+
+        return load_local_state_dict(self._state_layout(), state_dict, strict)
 
     def local_metadata_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("FullyShardedDataParallel.local_metadata_dict is not implemented yet")
+        """What :meth:`consolidate_shard_weights` needs besides every rank's :meth:`local_state_dict`."""
+        from fsdp.state_dict import local_metadata_dict
+
+        return local_metadata_dict(self._state_layout())
 
     @staticmethod
     def consolidate_shard_weights(
@@ -807,19 +848,62 @@ class FullyShardedDataParallel(nn.Module):
         with_module_buffers: bool = True,
         strict: bool = True,
     ) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("FullyShardedDataParallel.consolidate_shard_weights is not implemented yet")
+        """The unwrapped model's full state dict from every rank's local state and metadata dicts, offline
+        (no process group). See :func:`fsdp.state_dict.consolidate_shard_weights`."""
+        from fsdp.state_dict import consolidate_shard_weights
+
+        return consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Every parameter as a row-sharded ``DTensor`` and every buffer, keyed by its name in the unwrapped
+        model, for ``torch.distributed.checkpoint.save`` / ``load`` (which reshard it to any world size).
+        Collective. See [Note: sharded state dict layout] in fsdp/state_dict.py."""
+        from fsdp.state_dict import sharded_state_dict
+
+        return sharded_state_dict(self._state_layout())
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
+        """Load a :meth:`sharded_state_dict` (e.g. filled by ``torch.distributed.checkpoint.load``). Collective;
+        the ranks agree that names and shapes fit before anything is written."""
+        from fsdp.state_dict import load_sharded_state_dict
+
+        return load_sharded_state_dict(self._state_layout(), state_dict, strict)
 
     def gather_full_optim_state_dict(
-        self, optim: torch.optim.Optimizer, **ignored: dict[str, Any]
+        self, optim: torch.optim.Optimizer, **ignored: Any
     ) -> dict[str, Any] | None:
-        raise NotImplementedError(
-            "FullyShardedDataParallel.gather_full_optim_state_dict is not implemented yet"
-        )
+        """The optimizer state per original parameter (a plain optimizer's state dict over the unwrapped
+        model, plus ``"param_names"``), on rank 0 only (``recipient_rank=r``: on rank r); None on the
+        other ranks. Collective. Other keyword arguments are ignored, as in fairscale."""
+        from fsdp.optim_state import gather_full_optim_state_dict
 
-    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError(
-            "FullyShardedDataParallel.get_shard_from_optim_state_dict is not implemented yet"
-        )
+        recipient_rank = int(ignored.pop("recipient_rank", 0))
+        return gather_full_optim_state_dict(self._state_layout(), optim, recipient_rank)
+
+    def get_shard_from_optim_state_dict(
+        self, full_optim_state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """This rank's part of a full optimizer state dict (from any world size), for ``optim.load_state_dict``.
+        Pass ``optim`` when its param groups list the flat parameters in another order than
+        ``model.parameters()``. The argument is not modified."""
+        from fsdp.optim_state import get_shard_from_optim_state_dict
+
+        return get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
+
+    def sharded_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, per-element state as row-sharded ``DTensor``s, for
+        ``torch.distributed.checkpoint``: it reshards without being gathered on one rank. Collective."""
+        from fsdp.optim_state import sharded_optim_state_dict
+
+        return sharded_optim_state_dict(self._state_layout(), optim)
+
+    def load_sharded_optim_state_dict(
+        self, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+    ) -> None:
+        """Load a :meth:`sharded_optim_state_dict` (saved at any world size) into ``optim``. Collective."""
+        from fsdp.optim_state import load_sharded_optim_state_dict
+
+        load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
 
 
 FSDP = FullyShardedDataParallel

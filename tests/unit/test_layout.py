@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[2] / "fsdp"
 ORDER = [
     "api", "_device", "flat_param", "sharding", "collectives", "buckets", "handle", "mixed_precision",
     "sharded_grad_scaler", "state_dict", "optim_state", "checkpoint", "wrap", "data_parallel",
-    "offload_model", "fully_sharded",
+    "offload_model", "fully_sharded", "checkpoint_io", "consolidate",
 ]  # fmt: skip
 
 
@@ -32,7 +32,9 @@ MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
 
 @pytest.mark.parametrize("module", MODULES)
 def test_imports_only_from_modules_above(module: str) -> None:
-    assert module in ORDER, f"fsdp/{module}.py is not placed in the layering; add it to ORDER and docs/design.md"
+    assert module in ORDER, (
+        f"fsdp/{module}.py is not placed in the layering; add it to ORDER and docs/design.md"
+    )
     above = set(ORDER[: ORDER.index(module)])
     assert _fsdp_imports(PKG / f"{module}.py") <= above, f"fsdp/{module}.py imports from below it"
 

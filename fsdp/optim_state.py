@@ -1,0 +1,536 @@
+"""Optimizer state of flat parameters, per original parameter: full (gathered on one rank) and sharded (DCP).
+
+The optimizer holds flat parameters (``model.parameters()`` after wrapping), so its state is flat
+too: per-element state such as SGD's ``momentum_buffer`` or Adam's ``exp_avg`` is shaped like the
+local shard, ``(chunk,)``, and scalar state such as Adam's ``step`` is one value per flat
+parameter. This module converts that state to and from two forms keyed per original parameter:
+
+- **full** (fairscale's API): :func:`gather_full_optim_state_dict` returns, on one rank, the state
+  dict a plain ``torch.optim`` optimizer over the unwrapped model would have: ids numbered group by
+  group in the model's ``named_parameters()`` order, every per-element tensor shaped like its
+  parameter, scalar state copied to every parameter of the flat parameter. It adds
+  ``"param_names"`` (id -> name). :func:`get_shard_from_optim_state_dict` turns such a dict back
+  into this rank's optimizer state at any world size and any wrap plan.
+- **sharded** (DCP): ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``,
+  the layout of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, with
+  per-element state as row-sharded DTensors like the parameters (see [Note: sharded state dict
+  layout] in state_dict.py). It is never gathered on one rank.
+
+A per-element state is recognised by its shape: the shard's in flat form; a parameter's shape with
+at least one dimension in the per-parameter forms (so for 0-dim parameters it is inferred from the
+other parameters that have the same key).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from fsdp.handle import FlatParamHandle
+from fsdp.state_dict import (
+    Layout,
+    ParamSlot,
+    agree,
+    digest_of,
+    empty_sharded,
+    gather_full_flat,
+    shard_writes,
+    to_sharded,
+    value_kind,
+)
+
+__all__ = [
+    "OptimLoadPlan",
+    "apply_sharded_optim_state_dict",
+    "check_sharded_optim_state_dict",
+    "gather_full_optim_state_dict",
+    "get_shard_from_optim_state_dict",
+    "load_sharded_optim_state_dict",
+    "sharded_optim_state_dict",
+    "sharded_optim_state_dict_template",
+]
+
+log = logging.getLogger(__name__)
+
+_GROUP_SKIP = ("params", "param_names")  # per-group entries that are not hyperparameters
+
+
+# ---------------------------------------------------------------------- the optimizer's flat view
+def _groups_of(layout: Layout, optim: torch.optim.Optimizer) -> list[list[FlatParamHandle]]:
+    """The model's handles in each of the optimizer's param groups, in the optimizer's order."""
+    handle_of = {id(h.flat_param): h for h in layout.handles()}
+    groups = []
+    for g, group in enumerate(optim.param_groups):
+        handles = []
+        for p in group["params"]:
+            h = handle_of.get(id(p))
+            if h is None:
+                raise ValueError(
+                    f"the optimizer's param group {g} holds a parameter of shape {tuple(p.shape)} that is not a flat "
+                    "parameter of this model; build the optimizer from model.parameters() after wrapping"
+                )
+            handles.append(h)
+        groups.append(handles)
+    return groups
+
+
+def _flat_state_kinds(handle: FlatParamHandle, state: Mapping[str, Any]) -> dict[str, str]:
+    """``"shard"`` (per element, shaped like the local shard), ``"scalar"`` (0-dim tensor) or ``"object"``."""
+    kinds = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            kinds[key] = "object"
+        elif value.dim() == 0:
+            kinds[key] = "scalar"
+        elif tuple(value.shape) == (handle.spec.chunk,):
+            kinds[key] = "shard"
+        else:
+            raise NotImplementedError(
+                f"optimizer state {key!r} has shape {tuple(value.shape)}; only per-element state shaped like the "
+                f"flat parameter ({handle.spec.chunk},) and scalar state can be converted (optimizers with "
+                "factored state such as Adafactor are not supported)"
+            )
+    return kinds
+
+
+def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[FlatParamHandle]], list[Any]]:
+    """The optimizer's groups over handles, and a description every rank must share (checked by :func:`agree`)."""
+    for unit in layout.units:
+        if unit.no_broadcast_optim_state:
+            raise NotImplementedError(
+                f"the wrapper at {unit.path or '<root>'!r} has no_broadcast_optim_state=True (fairscale's option for "
+                "expert-parallel units); its optimizer state cannot be gathered or resharded yet"
+            )
+    groups = _groups_of(layout, optim)
+    position = {id(h): i for i, h in enumerate(layout.handles())}
+    shape = [
+        [
+            (position[id(h)], sorted(_flat_state_kinds(h, optim.state.get(h.flat_param, {})).items()))
+            for h in handles
+        ]
+        for handles in groups
+    ]
+    return groups, shape
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: copy.deepcopy(v) for k, v in group.items() if k not in _GROUP_SKIP}
+
+
+def _plain_order(layout: Layout, groups: Sequence[Sequence[FlatParamHandle]]) -> list[list[ParamSlot]]:
+    """Original parameters of each group in the model's named_parameters() order."""
+    group_of = {id(h): g for g, handles in enumerate(groups) for h in handles}
+    out: list[list[ParamSlot]] = [[] for _ in groups]
+    for slot in layout.params:
+        g = group_of.get(id(slot.handle))
+        if g is not None:
+            out[g].append(slot)
+    return out
+
+
+def _copy(value: Any, device: torch.device | None = None) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, copy=True) if device is not None else value.detach().clone()
+    return copy.deepcopy(value)
+
+
+# ---------------------------------------------------------------------- full optimizer state dict
+def gather_full_optim_state_dict(
+    layout: Layout, optim: torch.optim.Optimizer, recipient_rank: int = 0, device: torch.device | None = None
+) -> dict[str, Any] | None:
+    """The optimizer state per original parameter, on ``recipient_rank`` only (None elsewhere). Collective.
+
+    Per-element state is gathered one flat parameter at a time and moved to ``device`` (default:
+    the CPU), so the recipient needs room for the whole optimizer state there, the others for one
+    flat parameter's at a time.
+    """
+    if not 0 <= recipient_rank < layout.world_size:
+        raise ValueError(f"recipient_rank must be in [0, {layout.world_size}), got {recipient_rank}")
+    device = device if device is not None else torch.device("cpu")
+    error, shape = None, None
+    groups: list[list[FlatParamHandle]] = []
+    try:
+        groups, shape = _structure(layout, optim)
+    except (ValueError, NotImplementedError) as e:
+        error = str(e)
+    agree(layout, error, "gather_full_optim_state_dict", digest_of(shape))
+    keep = layout.rank == recipient_rank
+    ordered = _plain_order(layout, groups)
+    ids = {slot.name: i for i, slot in enumerate(s for group in ordered for s in group)}
+    state: dict[int, dict[str, Any]] = {}
+    for handles in groups:
+        for h in handles:
+            flat_state = optim.state.get(h.flat_param, {})
+            slots = layout.slots(h)
+            per_param: list[dict[str, Any]] = [{} for _ in slots]
+            for key, kind in sorted(_flat_state_kinds(h, flat_state).items()):  # same order on every rank
+                if kind == "shard":
+                    full = gather_full_flat(h, flat_state[key])
+                    if keep:
+                        for entry, slot in zip(per_param, slots, strict=True):
+                            entry[key] = slot.view(full).to(device, copy=True)
+                    del full
+                elif keep:
+                    for entry in per_param:
+                        entry[key] = _copy(flat_state[key], device)
+            if keep and flat_state:
+                for slot, entry in zip(slots, per_param, strict=True):
+                    state[ids[slot.name]] = {k: entry[k] for k in flat_state}  # the optimizer's key order
+    if not keep:
+        return None
+    param_groups = []
+    for g, group in enumerate(optim.param_groups):
+        saved = _hyper(group)
+        saved["params"] = [ids[s.name] for s in ordered[g]]
+        if "param_names" in group:
+            saved["param_names"] = [s.name for s in ordered[g]]
+        param_groups.append(saved)
+    names = [s.name for group in ordered for s in group]
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups, "param_names": names}
+
+
+def _elementwise_keys(per_param: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    return {
+        key
+        for entry in per_param.values()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+
+
+def _combine(
+    handle: FlatParamHandle,
+    slots: Sequence[ParamSlot],
+    entries: Sequence[Mapping[str, Any] | None],
+    elementwise: set[str],
+) -> dict[str, Any]:
+    """One flat parameter's full state (per-element tensors: ``(meta.numel,)``) from its parameters' entries."""
+    keys = list(dict.fromkeys(k for e in entries if e is not None for k in e))
+    out: dict[str, Any] = {}
+    if any(e is None for e in entries):
+        lacking = [s.name for s, e in zip(slots, entries, strict=True) if e is None]
+        warnings.warn(
+            f"optimizer state: parameter(s) {lacking} have no state but share a flat parameter with parameters that "
+            "have; their per-element state starts at zero",
+            stacklevel=3,
+        )
+    for key in keys:
+        values = [e.get(key) if e is not None else None for e in entries]
+        sample = next(v for v in values if v is not None)
+        if key in elementwise:
+            parts = []
+            for slot, value in zip(slots, values, strict=True):
+                if value is None:
+                    parts.append(torch.zeros(slot.info.numel, dtype=sample.dtype))
+                elif tuple(value.shape) != slot.shape:
+                    raise ValueError(
+                        f"optimizer state {key!r} of {slot.name!r} has shape {tuple(value.shape)}, the parameter has "
+                        f"{slot.shape}"
+                    )
+                else:
+                    parts.append(value.detach().reshape(-1).cpu())
+            out[key] = torch.cat(parts).to(sample.dtype)
+        else:
+            out[key] = sample
+    return out
+
+
+def get_shard_from_optim_state_dict(
+    layout: Layout, full: Mapping[str, Any], optim: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """This rank's optimizer state dict, to pass to ``optim.load_state_dict``, from a full one. Not collective.
+
+    ``full`` comes from :func:`gather_full_optim_state_dict` (any world size, any wrap plan), or is
+    a plain optimizer's state dict over the unwrapped model with one param group (ids then follow
+    the model's trainable parameters in ``named_parameters()`` order). ``full`` is not modified.
+    The flat parameters are listed group by group in ``optim``'s order if it is given, else in
+    ``model.parameters()`` order.
+    """
+    where = "get_shard_from_optim_state_dict"
+    saved_groups = full["param_groups"]
+    saved_state = full["state"]
+    names = full.get("param_names")
+    all_ids = [i for group in saved_groups for i in group["params"]]
+    if names is None:
+        trainable = [s.name for s in layout.params if s.handle.requires_grad]
+        every = [s.name for s in layout.params]
+        candidates = [c for c in (trainable, every) if len(c) == len(all_ids)]
+        if len(saved_groups) != 1 or not candidates:
+            raise ValueError(
+                f"{where}: the state dict has no 'param_names' and its {len(all_ids)} parameters in "
+                f"{len(saved_groups)} group(s) cannot be matched to the model's; save it with "
+                "gather_full_optim_state_dict (which records the names)"
+            )
+        name_of = dict(zip(all_ids, candidates[0], strict=True))
+    else:
+        name_of = dict(enumerate(names))
+    slot_of = {n: s for s in layout.params for n in (s.name, *s.aliases)}
+    unknown = [name_of[i] for i in all_ids if name_of[i] not in slot_of]
+    if unknown:
+        raise ValueError(f"{where}: parameter(s) {unknown[:5]} of the saved state are not in this model")
+    group_of: dict[int, int] = {}
+    per_name: dict[str, Mapping[str, Any]] = {}
+    for g, group in enumerate(saved_groups):
+        for i in group["params"]:
+            slot = slot_of[name_of[i]]
+            if group_of.setdefault(id(slot.handle), g) != g:
+                raise ValueError(
+                    f"{where}: {slot.name!r} is in saved param group {g} but a parameter flattened with it is in group "
+                    f"{group_of[id(slot.handle)]}; all parameters of one flat parameter must share a param group"
+                )
+            entry = saved_state.get(i, saved_state.get(str(i)))
+            if entry:
+                per_name[slot.name] = entry
+    covered = [h for h in layout.handles() if id(h) in group_of]
+    listed = {slot_of[name_of[i]].name for i in all_ids}
+    for h in covered:
+        absent = [s.name for s in layout.slots(h) if s.name not in listed]
+        if absent and len(absent) < len(layout.slots(h)):
+            raise ValueError(f"{where}: parameter(s) {absent} are missing from the saved param groups")
+    if optim is not None:
+        groups = _groups_of(layout, optim)
+        if len(groups) != len(saved_groups) or any(
+            {id(h) for h in handles} != {id(h) for h in covered if group_of[id(h)] == g}
+            for g, handles in enumerate(groups)
+        ):
+            raise ValueError(
+                f"{where}: the optimizer's param groups hold other parameters than the saved ones "
+                f"({len(groups)} groups here, {len(saved_groups)} saved)"
+            )
+    else:
+        groups = [[h for h in covered if group_of[id(h)] == g] for g in range(len(saved_groups))]
+    elementwise = _elementwise_keys(per_name)
+    state: dict[int, dict[str, Any]] = {}
+    local_groups = []
+    next_id = 0
+    for g, handles in enumerate(groups):
+        group = _hyper(saved_groups[g])
+        group["params"] = []
+        for h in handles:
+            slots = layout.slots(h)
+            entries = [per_name.get(s.name) for s in slots]
+            if any(e is not None for e in entries):
+                flat = _combine(h, slots, entries, elementwise)
+                for key in elementwise & flat.keys():
+                    padded = torch.zeros(h.spec.padded_numel, dtype=flat[key].dtype)
+                    padded[: h.meta.numel] = flat[key]
+                    flat[key] = padded[h.spec.start : h.spec.end].clone()
+                state[next_id] = {k: _copy(v) for k, v in flat.items()}
+            group["params"].append(next_id)
+            next_id += 1
+        if optim is not None and "param_names" in optim.param_groups[g]:
+            group["param_names"] = list(optim.param_groups[g]["param_names"])
+        local_groups.append(group)
+    extras = {
+        k: copy.deepcopy(v) for k, v in full.items() if k not in ("state", "param_groups", "param_names")
+    }
+    return {**extras, "state": state, "param_groups": local_groups}
+
+
+# ---------------------------------------------------------------------- sharded (DCP) optimizer state
+def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, per-element state as row-sharded DTensors. Collective."""
+    error, shape = None, None
+    groups: list[list[FlatParamHandle]] = []
+    try:
+        groups, shape = _structure(layout, optim)
+    except (ValueError, NotImplementedError) as e:
+        error = str(e)
+    agree(layout, error, "sharded_optim_state_dict", digest_of(shape))
+    mesh = layout.mesh()
+    per_name: dict[str, dict[str, Any]] = {}
+    for handles in groups:
+        for h in handles:
+            flat_state = optim.state.get(h.flat_param, {})
+            if not flat_state:
+                continue
+            slots = layout.slots(h)
+            for slot in slots:
+                per_name[slot.name] = {}
+            for key, kind in sorted(_flat_state_kinds(h, flat_state).items()):  # same order on every rank
+                if kind == "shard":
+                    full = gather_full_flat(h, flat_state[key])
+                    for slot in slots:
+                        per_name[slot.name][key] = to_sharded(slot.view(full), layout, mesh)
+                    del full
+                else:
+                    for slot in slots:
+                        per_name[slot.name][key] = _copy(flat_state[key])
+    ordered = _plain_order(layout, groups)
+    param_groups = []
+    for g, group in enumerate(optim.param_groups):
+        saved = _hyper(group)
+        saved["params"] = [s.name for s in ordered[g]]
+        param_groups.append(saved)
+    state = {s.name: per_name[s.name] for s in layout.params if s.name in per_name}
+    return {"state": state, "param_groups": param_groups}
+
+
+def sharded_optim_state_dict_template(
+    layout: Layout, storage: Mapping[str, Any], prefix: str
+) -> tuple[dict[str, Any], list[str]]:
+    """A target for DCP to load the optimizer state into, built from a checkpoint's metadata.
+
+    ``storage`` is ``Metadata.state_dict_metadata``; the optimizer state sits under ``prefix``
+    (e.g. ``"optim."``). Returns the template and the problems found (unknown parameters, shapes).
+    """
+    mesh = layout.mesh()
+    slot_of = {s.name: s for s in layout.params}
+    state: dict[str, dict[str, Any]] = {}
+    problems = []
+    head = prefix + "state."
+    for key, md in storage.items():
+        if not key.startswith(head):
+            continue
+        rest = key[len(head) :]
+        slot = next(
+            (slot_of[rest[:i]] for i in range(len(rest)) if rest[i] == "." and rest[:i] in slot_of), None
+        )
+        if slot is None:
+            problems.append(f"optimizer state {key!r} belongs to no parameter of this model")
+            continue
+        name = rest[len(slot.name) + 1 :]
+        if isinstance(md, BytesStorageMetadata):
+            value: Any = None
+        elif isinstance(md, TensorStorageMetadata) and tuple(md.size) == ():
+            value = torch.empty((), dtype=md.properties.dtype, device=layout.device)
+        elif isinstance(md, TensorStorageMetadata) and tuple(md.size) == slot.shape:
+            value = empty_sharded(slot.shape, md.properties.dtype, layout, mesh)
+        else:
+            problems.append(
+                f"optimizer state {name!r} of {slot.name!r} has shape {tuple(getattr(md, 'size', ()))} in the "
+                f"checkpoint; the parameter has {slot.shape}"
+            )
+            continue
+        state.setdefault(slot.name, {})[name] = value
+    groups: dict[int, dict[str, Any]] = {}
+    head = prefix + "param_groups."
+    for key in storage:
+        if key.startswith(head):
+            index, _, name = key[len(head) :].partition(".")
+            groups.setdefault(int(index), {})[name] = None  # saved as objects: DCP replaces the placeholders
+    if sorted(groups) != list(range(len(groups))) or not groups:
+        problems.append("the checkpoint's optimizer param_groups are missing or incomplete")
+    return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}, problems
+
+
+class OptimLoadPlan:
+    """A checked sharded optimizer state dict, ready to be applied (see :func:`check_sharded_optim_state_dict`)."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[FlatParamHandle]] = []
+        self.param_groups: list[dict[str, Any]] = []  # hyperparameters per local group
+        self.entries: dict[str, Mapping[str, Any]] = {}  # parameter name -> its saved state
+        self.elementwise: set[str] = set()
+        self.errors: list[str] = []
+        self.digest = ""
+
+
+def check_sharded_optim_state_dict(
+    layout: Layout, optim: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> OptimLoadPlan:
+    """Match a sharded optimizer state dict to ``optim``: groups, names, shapes. No writes."""
+    plan = OptimLoadPlan()
+    try:
+        plan.groups = _groups_of(layout, optim)
+    except ValueError as e:
+        plan.errors.append(str(e))
+        return plan
+    saved_groups = state.get("param_groups") or []
+    saved_state = state.get("state") or {}
+    if len(saved_groups) != len(plan.groups):
+        plan.errors.append(
+            f"the checkpoint's optimizer has {len(saved_groups)} param group(s), this one {len(plan.groups)}; "
+            "build the optimizer with the same groups"
+        )
+        return plan
+    slot_of = {n: s for s in layout.params for n in (s.name, *s.aliases)}
+    group_of_name = {n: g for g, group in enumerate(saved_groups) for n in group.get("params", [])}
+    for g, handles in enumerate(plan.groups):
+        saved = {group_of_name[s.name] for h in handles for s in layout.slots(h) if s.name in group_of_name}
+        if len(saved) > 1 or (saved and saved != {g}):
+            plan.errors.append(
+                f"param group {g} of the optimizer holds parameters of saved group(s) {sorted(saved)}; build the "
+                "optimizer with the same groups, in the same order"
+            )
+        plan.param_groups.append(_hyper(saved_groups[g]))
+    for name, entry in saved_state.items():
+        slot = slot_of.get(name)
+        if slot is None:
+            plan.errors.append(f"optimizer state of {name!r}, which is not a parameter of this model")
+            continue
+        plan.entries[slot.name] = entry
+    plan.elementwise = _elementwise_keys(plan.entries)
+    kinds: list[Any] = []
+    for handles in plan.groups:
+        for h in handles:
+            for slot in layout.slots(h):
+                entry = plan.entries.get(slot.name, {})
+                for key in sorted(plan.elementwise & entry.keys()):
+                    value = entry[key]
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != slot.shape:
+                        plan.errors.append(
+                            f"optimizer state {key!r} of {slot.name!r} has shape {tuple(getattr(value, 'shape', ()))}, "
+                            f"the parameter has {slot.shape}"
+                        )
+                    else:
+                        kinds.append((slot.name, key, value_kind(value, layout)))
+            kinds.append(sorted(set().union(*(plan.entries.get(s.name, {}).keys() for s in layout.slots(h)))))
+    plan.digest = digest_of(kinds)
+    return plan
+
+
+def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer, plan: OptimLoadPlan) -> None:
+    """Load a checked plan into ``optim``. Collective; every rank must have agreed on the plan."""
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    next_id = 0
+    for g, handles in enumerate(plan.groups):
+        group = dict(plan.param_groups[g])
+        group["params"] = []
+        for h in handles:
+            slots = layout.slots(h)
+            entries = [plan.entries.get(s.name) for s in slots]
+            if any(e is not None for e in entries):
+                keys = sorted({k for e in entries if e is not None for k in e})  # same order on every rank
+                flat: dict[str, Any] = {}
+                for key in keys:
+                    values = [e.get(key) if e is not None else None for e in entries]
+                    if key in plan.elementwise:
+                        sample = next(v for v in values if v is not None)
+                        shard = torch.zeros(h.spec.chunk, dtype=sample.dtype, device=h.flat_param.device)
+                        for lo, hi, data in shard_writes(h, values, layout, sample.dtype):
+                            shard[lo:hi].copy_(data)
+                        flat[key] = shard
+                    else:
+                        flat[key] = _copy(next(v for v in values if v is not None))
+                state[next_id] = flat
+            group["params"].append(next_id)
+            next_id += 1
+        if "param_names" in optim.param_groups[g]:
+            group["param_names"] = list(optim.param_groups[g]["param_names"])
+        param_groups.append(group)
+    optim.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def load_sharded_optim_state_dict(
+    layout: Layout, optim: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> None:
+    """Load what :func:`sharded_optim_state_dict` produced (at any world size, filled by DCP). Collective.
+
+    The ranks agree that the state matches the optimizer before anything is written.
+    """
+    plan = check_sharded_optim_state_dict(layout, optim, state)
+    agree(
+        layout,
+        "\n  ".join(plan.errors) or None,
+        "load_sharded_optim_state_dict (nothing was loaded)",
+        plan.digest,
+    )
+    apply_sharded_optim_state_dict(layout, optim, plan)

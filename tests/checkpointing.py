@@ -1,0 +1,117 @@
+"""Helpers for the checkpoint and optimizer-state tests: training at any world size beside a reference.
+
+The global batch has a fixed size (12 rows, divisible by 1, 2, 3 and 4), drawn from a seed per
+step, so a run that changes world size in the middle sees exactly the batches of an uninterrupted
+run; rank r of N feeds rows ``[r * 12 / N, (r + 1) * 12 / N)`` while the reference sees all 12.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.models import CASES, build, wrap
+
+GLOBAL_BATCH = 12
+
+
+def make(
+    case: str, seed: int = 0, paths: tuple[str, ...] | None = None, **fsdp_kwargs: Any
+) -> tuple[nn.Module, Any]:
+    """(plain reference, FSDP-wrapped copy) of a named case, wrapped with its plan or ``paths``."""
+    ref = build(case, seed)
+    model = wrap(copy.deepcopy(ref), CASES[case].wrap if paths is None else paths, **fsdp_kwargs)
+    return ref, model
+
+
+def batch(case: str, step: int) -> Any:
+    return CASES[case].make_input(torch.Generator().manual_seed(1000 + step), GLOBAL_BATCH)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, case: str, steps: range) -> list[float]:
+    """Train the wrapped model on this rank's rows of each step's batch; return the global mean losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        loss = CASES[case].loss(model(batch(case, step)[rank * per : (rank + 1) * per]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def train_ref(ref: nn.Module, opt: torch.optim.Optimizer, case: str, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = CASES[case].loss(ref(batch(case, step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def state_diff(sd: Mapping[str, torch.Tensor], ref_sd: Mapping[str, torch.Tensor]) -> float:
+    """Largest difference between two state dicts with the same keys in the same order (inf otherwise)."""
+    if list(sd) != list(ref_sd):
+        return float("inf")
+    return max(
+        ((sd[k].double() - v.double()).abs().max().item() if v.numel() else 0.0) for k, v in ref_sd.items()
+    )
+
+
+def optim_diff(full: Mapping[str, Any], ref: Mapping[str, Any]) -> float:
+    """Largest difference between a gathered optimizer state dict and a plain optimizer's (inf if shaped otherwise)."""
+    if set(full["state"]) != set(ref["state"]):
+        return float("inf")
+    worst = 0.0
+    for i, entry in ref["state"].items():
+        mine = full["state"][i]
+        if set(mine) != set(entry):
+            return float("inf")
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                if mine[key].shape != value.shape:
+                    return float("inf")
+                worst = max(
+                    worst, (mine[key].double() - value.double()).abs().max().item() if value.numel() else 0
+                )
+            elif mine[key] != value:
+                return float("inf")
+    for group, ref_group in zip(full["param_groups"], ref["param_groups"], strict=True):
+        if {k: v for k, v in group.items() if k != "param_names"} != ref_group:
+            return float("inf")
+    return worst
+
+
+def flat_snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
+    """Copies of every flat shard, buffer and optimizer state tensor of this rank (to check nothing changed)."""
+    out = [p.detach().clone() for p in model.parameters()] + [b.detach().clone() for b in model.buffers()]
+    if opt is not None:
+        for p in model.parameters():
+            for v in opt.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    out.append(v.detach().clone())
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def expect_error(exc_type: type[BaseException], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Run ``fn`` and return the message of the expected exception (raise if none or another)."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        return str(e)
+    raise AssertionError(f"{exc_type.__name__} was not raised")

@@ -1,0 +1,184 @@
+"""Optimizer state per original parameter: gathered it equals a plain optimizer's state dict over the
+unwrapped model; sharded back (at any world size) training continues exactly."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.checkpointing import GLOBAL_BATCH, make, optim_diff, state_diff, train, train_ref
+from tests.models import wrap
+from tests.parity import handles_with_ref_names
+from tests.rank_pool import RankPool
+
+
+class TwoHeads(nn.Module):
+    """``aux`` is never used, so its unit gets no gradient and its parameters no optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.mid = nn.Linear(8, 7)
+        self.aux = nn.Linear(7, 2)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(torch.tanh(self.trunk(x)))))
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _two_groups(model: nn.Module, ref: nn.Module) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The root unit's parameters (lr x1) and the inner units' (lr x0.5), for FSDP and for the reference."""
+    names = {h: set(n) for h, n in handles_with_ref_names(model)}
+    root = [h for h in model.handles]
+    groups = [[h.flat_param for h in root], [h.flat_param for h in names if h not in root]]
+    ref_params = dict(ref.named_parameters())
+    ref_groups = [
+        [p for n, p in ref_params.items() if any(n in names[h] for h in root)],
+        [p for n, p in ref_params.items() if not any(n in names[h] for h in root)],
+    ]
+    return (
+        [{"params": groups[0]}, {"params": groups[1], "lr_scale": 0.5}],
+        [{"params": ref_groups[0]}, {"params": ref_groups[1], "lr_scale": 0.5}],
+    )
+
+
+def _scaled(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    for group in opt.param_groups:
+        group["lr"] *= group.get("lr_scale", 1.0)
+    return opt
+
+
+def _gather_and_shard(name: str, recipient: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = TwoHeads()
+    model = wrap(copy.deepcopy(ref), ("mid", "aux"))
+    groups, ref_groups = _two_groups(model, ref)
+    opt, ref_opt = _scaled(OPTIMIZERS[name](groups)), _scaled(OPTIMIZERS[name](ref_groups))
+    empty = model.gather_full_optim_state_dict(opt, recipient_rank=recipient)  # before any step: no state
+    per = GLOBAL_BATCH // dist.get_world_size()
+    for step in range(2):
+        x = torch.randn(GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(step))
+        model(x[rank * per : (rank + 1) * per]).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = model.gather_full_optim_state_dict(opt, recipient_rank=recipient)
+    out: dict[str, Any] = {
+        "is_none": full is None,
+        "empty_state": None if empty is None else empty["state"],
+        "diff": optim_diff(full, ref_opt.state_dict()) if full is not None else None,
+        "names": None if full is None else full["param_names"],
+    }
+    # shard it back into a fresh model and optimizer: the flat state is identical, training continues alike
+    box = [full]
+    dist.broadcast_object_list(box, src=recipient)
+    fresh = wrap(TwoHeads(), ("mid", "aux"))
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt = OPTIMIZERS[name](_two_groups(fresh, ref)[0])
+    fresh_opt.load_state_dict(fresh.get_shard_from_optim_state_dict(box[0], fresh_opt))
+    out["same_state"] = all(
+        set(fresh_opt.state[q]) == set(opt.state[p])
+        and all(torch.equal(fresh_opt.state[q][k], v) for k, v in opt.state[p].items())
+        for p, q in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    out["same_groups"] = [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+    x = torch.randn(per, 6, generator=torch.Generator().manual_seed(10 + rank))
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    out["same_after_step"] = state_diff(fresh.state_dict(), model.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_gathered_state_equals_plain_optimizer(pool: RankPool, name: str) -> None:
+    recipient = pool.world_size - 1 if name == "sgd" else 0
+    results = pool.run(_gather_and_shard, name, recipient)
+    for rank, r in enumerate(results):
+        assert r["is_none"] == (rank != recipient), "the full state is returned on the recipient only"
+        if rank == recipient:
+            assert r["empty_state"] == {}, "no state before the first step"
+            assert r["diff"] < 1e-5, f"gathered state differs from the plain optimizer's: {r['diff']}"
+            root, inner = ["trunk", "head"], ["mid", "aux"]  # group 0, then group 1
+            assert r["names"] == [f"{m}.{p}" for m in root + inner for p in ("weight", "bias")]
+        assert r["same_state"] and r["same_groups"] and r["same_after_step"] == 0.0
+
+
+def _from_plain_optimizer() -> dict[str, float]:
+    """A plain single-process optimizer's state dict (no names) loads into FSDP at this world size."""
+    case = "nested"
+    ref, model = make(case, seed=3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    train_ref(ref, ref_opt, case, range(3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.load_state_dict(ref.state_dict())
+    opt.load_state_dict(model.get_shard_from_optim_state_dict(ref_opt.state_dict()))
+    losses, ref_losses = train(model, opt, case, range(3, 6)), train_ref(ref, ref_opt, case, range(3, 6))
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "param": state_diff(model.state_dict(), ref.state_dict()),
+    }
+
+
+@pytest.mark.parametrize("pool", [3], indirect=True)
+def test_plain_optimizer_state_loads_at_any_world_size(pool: RankPool) -> None:
+    for r in pool.run(_from_plain_optimizer):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+
+
+def _mismatched_groups() -> str:
+    torch.manual_seed(0)
+    ref = TwoHeads()
+    model = wrap(copy.deepcopy(ref), ("mid", "aux"))
+    groups, _ = _two_groups(model, ref)
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    full = model.gather_full_optim_state_dict(opt)
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    single = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        model.get_shard_from_optim_state_dict(box[0], single)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_other_param_groups_are_refused(pool: RankPool) -> None:
+    for msg in pool.run(_mismatched_groups):
+        assert "other parameters than the saved ones" in msg and "1 groups here, 2 saved" in msg
+
+
+def _not_flat() -> str:
+    model = FSDP(nn.Linear(4, 4))
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+    try:
+        model.gather_full_optim_state_dict(opt)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_foreign_optimizer_fails_on_every_rank(pool: RankPool) -> None:
+    for msg in pool.run(_not_flat):
+        assert "failed on rank(s) [0, 1]" in msg and "not a flat parameter of this model" in msg

@@ -1,0 +1,120 @@
+"""Offline consolidation without any process group: the shard arithmetic, its errors, and the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import latest_checkpoint
+from fsdp.checkpoint_io import COMMIT_MARKER, CheckpointError, read_checkpoint_info
+from fsdp.consolidate import main
+
+
+def _shards(world: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Local shards and metadata as ``world`` ranks would write them for one wrapper at "block" owning
+    ``w`` (2x3) and ``b`` (2), with ``b2`` tied to ``b``, and a buffer ``n`` (long) saved as int32."""
+    w, b = torch.arange(6.0).view(2, 3), torch.tensor([6.0, 7.0])
+    flat = torch.cat([w.reshape(-1), b])  # 8 elements
+    chunk = -(-8 // world)
+    padded = torch.cat([flat, torch.full((chunk * world - 8,), -1.0)])
+    weights, metadata = [], []
+    for r in range(world):
+        weights.append({"block.flat_param_0": padded[r * chunk : (r + 1) * chunk], "n": torch.tensor(3)})
+        metadata.append(
+            {
+                "rank": r,
+                "world_size": world,
+                "plan": "p",
+                "param_metadata": [
+                    {
+                        "fsdp_path": "block",
+                        "params": {
+                            "flat_param_0": {
+                                "names": ["w", "b"],
+                                "shapes": [(2, 3), (2,)],
+                                "numels": [6, 2],
+                                "padding": max(0, min((r + 1) * chunk, chunk * world) - max(8, r * chunk)),
+                                "shard_rank": r,
+                                "shard_world_size": world,
+                            }
+                        },
+                        "shared_param_info": [("block.b", "block.b2")],
+                    }
+                ],
+                "buffer_names": ["n"],
+                "buffer_dtypes": {"n": "int64"},
+                "state_dict_keys": ["block.w", "block.b", "block.b2", "n"],
+            }
+        )
+    return weights, metadata, {"block.w": w, "block.b": b, "block.b2": b, "n": torch.tensor(3)}
+
+
+@pytest.mark.parametrize("world", [1, 3, 5])
+def test_consolidate_shard_weights_unpads_and_reassembles(world: int) -> None:
+    weights, metadata, expected = _shards(world)
+    # any order: the ranks are in the metadata
+    out = FSDP.consolidate_shard_weights(weights[::-1], metadata[::-1])
+    assert list(out) == list(expected)
+    assert all(torch.equal(out[k], v) and out[k].dtype == v.dtype for k, v in expected.items())
+    assert out["block.b2"] is out["block.b"], "tied names share one tensor, as in a plain state dict"
+    no_buffers = FSDP.consolidate_shard_weights(weights, metadata, with_module_buffers=False)
+    assert "n" not in no_buffers
+
+
+def test_consolidate_shard_weights_errors_say_what_is_wrong() -> None:
+    weights, metadata, _ = _shards(3)
+    with pytest.raises(ValueError, match="one metadata dict per shard dict"):
+        FSDP.consolidate_shard_weights(weights, metadata[:2])
+    with pytest.raises(ValueError, match=r"shards of rank\(s\) \[2\] are missing"):
+        FSDP.consolidate_shard_weights(weights[:2], metadata[:2])
+    with pytest.raises(ValueError, match="given twice"):
+        FSDP.consolidate_shard_weights([weights[0], weights[0]], [metadata[0], metadata[0]])
+    other = [dict(m, plan="q") if i == 1 else m for i, m in enumerate(metadata)]
+    with pytest.raises(ValueError, match="different wrap plans"):
+        FSDP.consolidate_shard_weights(weights, other)
+    lacking = [dict(w) for w in weights]
+    del lacking[1]["block.flat_param_0"]
+    with pytest.raises(KeyError, match=r"rank\(s\) \[1\] has no 'block.flat_param_0'"):
+        FSDP.consolidate_shard_weights(lacking, metadata)
+    assert list(FSDP.consolidate_shard_weights(lacking, metadata, strict=False)) == ["n"]
+
+
+def _fake_checkpoint(root: Path, saved_at: int, commit: bool = True) -> Path:
+    root.mkdir(parents=True)
+    (root / "fsdp_manifest.json").write_text(json.dumps({"format": "fsdp-checkpoint", "version": 1}))
+    (root / "__0_0.distcp").write_bytes(b"x" * 10)
+    if commit:
+        files = {"fsdp_manifest.json": (root / "fsdp_manifest.json").stat().st_size, "__0_0.distcp": 10}
+        (root / COMMIT_MARKER).write_text(json.dumps({"saved_at_ns": saved_at, "files": files}))
+    return root
+
+
+def test_latest_checkpoint_and_damage_checks(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path / "none") is None
+    old = _fake_checkpoint(tmp_path / "b_old", 1)
+    new = _fake_checkpoint(tmp_path / "a_new", 2)
+    _fake_checkpoint(tmp_path / "c_crashed", 3, commit=False)
+    assert latest_checkpoint(tmp_path) == new, "the newest committed save, whatever the names"
+    assert read_checkpoint_info(old)["saved_at_ns"] == 1
+    with pytest.raises(CheckpointError, match="has no commit marker"):
+        read_checkpoint_info(tmp_path / "c_crashed")
+    (new / "__0_0.distcp").write_bytes(b"x" * 4)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp has 4 bytes, the commit marker recorded 10"):
+        read_checkpoint_info(new)
+    (old / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is missing"):
+        read_checkpoint_info(old)
+
+
+def test_consolidate_command_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_checkpoint(tmp_path / "crashed", 1, commit=False)
+    assert main([str(tmp_path / "crashed"), str(tmp_path / "out.pt")]) == 1
+    assert "has no commit marker" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out.pt").exists()
