@@ -19,8 +19,9 @@ views of the flat parameter while it is unsharded (forward, backward) and, insid
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ __all__ = [
     "FlatParamMeta",
     "ParamInfo",
     "SharedParamInfo",
+    "check_not_owned_by_inner",
+    "collect_owned",
     "flatten_tensors",
     "group_params",
     "set_module_tensor",
@@ -150,3 +153,40 @@ def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_par
         module._parameters[name] = param
     else:
         module.__dict__[name] = tensor
+
+
+def collect_owned(
+    module: nn.Module, is_wrapper: Callable[[nn.Module], bool]
+) -> tuple[list[tuple[str, nn.Parameter]], dict[str, nn.Module], list[tuple[str, Any]]]:
+    """Parameters (every name, tied ones included) not under an inner wrapper; modules by name; inner wrappers."""
+    owned: list[tuple[str, nn.Parameter]] = []
+    module_of: dict[str, nn.Module] = {}
+    inner: list[tuple[str, Any]] = []
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        module_of[prefix.rstrip(".")] = m
+        for name, p in m._parameters.items():
+            if p is not None:
+                owned.append((prefix + name, p))
+        for name, child in m._modules.items():
+            if child is None:
+                continue
+            if is_wrapper(child):
+                inner.append((prefix + name, child))
+            else:
+                visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return owned, module_of, inner
+
+
+def check_not_owned_by_inner(owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]]) -> None:
+    for path, wrapper in inner:
+        for w in wrapper._wrappers():
+            for fqn, p in owned:
+                if w._original_params.get(id(p)) is p:
+                    raise ValueError(
+                        f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of the "
+                        f"inner wrapper at {path!r}; a tied (shared) parameter must be owned by one wrapper. Put both "
+                        "modules that use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
+                    )

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
-import math
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -32,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fsdp import optim_state as optim_impl
+from fsdp import state_dict as sd_impl
 from fsdp._device import DeviceHandle, default_compute_device
 from fsdp.api import (
     CommConfig,
@@ -46,22 +45,24 @@ from fsdp.api import (
     TrainingState,
     default_gradient_predivide_factor,
 )
-from fsdp.buckets import BucketConfig, GradBucketer
-from fsdp.collectives import CommStats, all_reduce, get_process_group_cached, hybrid_groups
-from fsdp.flat_param import group_params
-from fsdp.handle import FlatParamHandle
+from fsdp.buckets import GradBucketer
+from fsdp.collectives import CommStats
+from fsdp.consistency import (
+    WRAPPED,
+    check_same_reductions_on_all_ranks,
+    check_same_wrappers_on_all_ranks,
+    plain_name,
+    wrapper_path,
+)
+from fsdp.flat_param import check_not_owned_by_inner, collect_owned, group_params
+from fsdp.handle import FlatParamHandle, clip_grad_norm_, make_no_shard_bucketer
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
+from fsdp.nest import visit_tensors
+from fsdp.topology import reduce_scatter_group, resolve_groups, resolve_strategy
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
 log = logging.getLogger(__name__)
-
-_WRAPPED = "_fsdp_wrapped_module"
-
-
-def _plain_name(name: str) -> str:
-    """A name inside the wrapper tree as it is in the unwrapped module."""
-    return name.replace(_WRAPPED + ".", "").replace("." + _WRAPPED, "").replace(_WRAPPED, "")
 
 
 class _RootContext:
@@ -89,8 +90,8 @@ class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel``: the constructor takes the same keyword
-    arguments with the same defaults. Options whose feature is not built yet raise
-    ``NotImplementedError`` naming the option instead of being ignored.
+    arguments with the same defaults, then torch-FSDP's ``sharding_strategy``. Invalid combinations
+    raise ``ValueError`` / ``TypeError`` that say what to change.
 
     Args:
         module: the module to wrap. Inner wrappers may sit anywhere inside it.
@@ -162,11 +163,11 @@ class FullyShardedDataParallel(nn.Module):
         offload = OffloadConfig(
             params_to_cpu, params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
         )
-        strategy, reshard_after_forward = _resolve_strategy(sharding_strategy, reshard_after_forward)
-        groups = _resolve_groups(strategy, process_group)
+        strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
+        groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
-            rs_group = _reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
+            rs_group = reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
         dp_size = dist.get_world_size(groups.dp)
         pre = (
             float(gradient_predivide_factor)
@@ -174,8 +175,8 @@ class FullyShardedDataParallel(nn.Module):
             else default_gradient_predivide_factor(dp_size)
         )
 
-        owned, module_of, inner = _collect_owned(module)
-        _check_not_owned_by_inner(owned, inner)
+        owned, module_of, inner = collect_owned(module, lambda m: isinstance(m, FullyShardedDataParallel))
+        check_not_owned_by_inner(owned, inner)
         devices = {p.device for _, p in owned}
         if len(devices) > 1:
             raise ValueError(
@@ -275,7 +276,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == _WRAPPED:
+            if name == WRAPPED:
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
@@ -378,7 +379,7 @@ class FullyShardedDataParallel(nn.Module):
         for w in wrappers[1:]:
             if w._is_root:
                 raise RuntimeError(
-                    f"FullyShardedDataParallel: the inner wrapper {_wrapper_path(self, w)!r} already ran a forward as "
+                    f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} already ran a forward as "
                     "a root of its own. A wrapper nested in another must only run inside the outer wrapper's "
                     "forward: call forward on the outermost wrapper only (or do not nest it)"
                 )
@@ -390,7 +391,7 @@ class FullyShardedDataParallel(nn.Module):
                 h.stats = ctx.stats
         sharding = self.config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
-        _check_same_wrappers_on_all_ranks(self, wrappers)
+        check_same_wrappers_on_all_ranks(self, wrappers)
         _make_bucketer(self, ctx)
 
     # ------------------------------------------------------------------ forward
@@ -451,7 +452,7 @@ class FullyShardedDataParallel(nn.Module):
                 t.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
                 hooked += 1
 
-        _visit_tensors(outputs, hook, opaque)
+        visit_tensors(outputs, hook, opaque)
         if hooked == 0 and opaque and any(h.requires_grad for h in self.handles):
             raise TypeError(
                 f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self.module).__name__} "
@@ -519,7 +520,7 @@ class FullyShardedDataParallel(nn.Module):
         ctx.callback_queued = False
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
-                _check_same_reductions_on_all_ranks(self, ctx.wrappers)
+                check_same_reductions_on_all_ranks(self, ctx.wrappers)
                 if ctx.bucketer is not None:
                     _finish_buckets(ctx)
             for w in ctx.wrappers:
@@ -688,7 +689,7 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
             )
         with self.summon_full_params(recurse=True, volatile=False):
-            to_internal = {_plain_name(name): name for name, _ in self.named_modules()}
+            to_internal = {plain_name(name): name for name, _ in self.named_modules()}
 
             def internal(key: str) -> str:
                 module_name, _, leaf = key.rpartition(".")
@@ -704,8 +705,8 @@ class FullyShardedDataParallel(nn.Module):
                     (to_internal.get(k, k), v) for k, v in metadata.items()
                 )
             result = super().load_state_dict(renamed, strict=False)
-        missing = [_plain_name(k) for k in result.missing_keys]
-        unexpected = [_plain_name(k) for k in result.unexpected_keys]
+        missing = [plain_name(k) for k in result.missing_keys]
+        unexpected = [plain_name(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):
             parts = []
             if unexpected:
@@ -719,7 +720,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         return _IncompatibleKeys(missing, unexpected)
 
-    # ------------------------------------------------------------------ not built yet (later issues)
+    # ------------------------------------------------------------------ gradient accumulation and clipping
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients over several backward passes without any communication.
@@ -750,37 +751,8 @@ class FullyShardedDataParallel(nn.Module):
         ctx = self._ctx
         assert ctx is not None
         self.assert_state(TrainingState.IDLE)
-        p = float(norm_type)
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
-        device = self.compute_device
-        # partial results per shard group; unsharded (NO_SHARD) gradients are complete locally
-        partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
-        for h in handles:
-            grad = h.flat_param.grad
-            if grad is None:
-                value = torch.zeros((), device=device)
-            elif p == math.inf:
-                value = grad.detach().abs().max().float() if grad.numel() else torch.zeros((), device=device)
-            else:
-                value = torch.linalg.vector_norm(grad.detach().float(), p) ** p
-            group = h.comm.process_group if h.spec.world_size > 1 else None
-            key = id(group)
-            if key in partial:
-                old = partial[key][1]
-                value = torch.maximum(old, value) if p == math.inf else old + value
-            partial[key] = (group, value.to(device))
-        total = torch.zeros((), device=device)
-        for group, value in partial.values():
-            if group is not None:
-                op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-                all_reduce(value, group, op=op, stats=ctx.stats).wait()
-            total = torch.maximum(total, value) if p == math.inf else total + value
-        norm = total if p == math.inf else total ** (1.0 / p)
-        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
-        for h in handles:
-            if h.flat_param.grad is not None:
-                h.flat_param.grad.detach().mul_(coef.to(h.flat_param.grad.device, h.flat_param.grad.dtype))
-        return norm
+        return clip_grad_norm_(handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats)
 
     def _require_root(self, what: str) -> None:
         if self._is_root is None:
@@ -799,13 +771,11 @@ class FullyShardedDataParallel(nn.Module):
         Used by the state-dict and optimizer-state methods below and by ``fsdp.checkpoint_io``.
         Every wrapper must be IDLE.
         """
-        from fsdp.state_dict import UnitSpec, describe
-
         wrappers = self._wrappers()
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
         units = {
-            id(w): UnitSpec(
+            id(w): sd_impl.UnitSpec(
                 w.module,
                 tuple(w.handles),
                 w._module_param_order,
@@ -816,7 +786,9 @@ class FullyShardedDataParallel(nn.Module):
         }
         comm = self.config.comm
         assert comm.dp_group is not None
-        return describe(self, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device)
+        return sd_impl.describe(
+            self, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
+        )
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's flat shards and buffers: the fast path to resume at the same world size and wrap plan.
@@ -824,22 +796,16 @@ class FullyShardedDataParallel(nn.Module):
         Keys ``"<wrapper path>.flat_param_<i>"`` and the buffers' names, plus an identity entry that
         :meth:`load_local_state_dict` checks. Values are references (as in ``nn.Module.state_dict``).
         """
-        from fsdp.state_dict import local_state_dict
-
-        return local_state_dict(self._state_layout())
+        return sd_impl.local_state_dict(self._state_layout())
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load this rank's :meth:`local_state_dict`. Another world size, rank or wrap plan raises
         ``ValueError`` saying which; nothing is written unless every entry fits. Not collective."""
-        from fsdp.state_dict import load_local_state_dict
-
-        return load_local_state_dict(self._state_layout(), state_dict, strict)
+        return sd_impl.load_local_state_dict(self._state_layout(), state_dict, strict)
 
     def local_metadata_dict(self) -> dict[str, Any]:
         """What :meth:`consolidate_shard_weights` needs besides every rank's :meth:`local_state_dict`."""
-        from fsdp.state_dict import local_metadata_dict
-
-        return local_metadata_dict(self._state_layout())
+        return sd_impl.local_metadata_dict(self._state_layout())
 
     @staticmethod
     def consolidate_shard_weights(
@@ -850,24 +816,18 @@ class FullyShardedDataParallel(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """The unwrapped model's full state dict from every rank's local state and metadata dicts, offline
         (no process group). See :func:`fsdp.state_dict.consolidate_shard_weights`."""
-        from fsdp.state_dict import consolidate_shard_weights
-
-        return consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+        return sd_impl.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Every parameter as a row-sharded ``DTensor`` and every buffer, keyed by its name in the unwrapped
         model, for ``torch.distributed.checkpoint.save`` / ``load`` (which reshard it to any world size).
         Collective. See [Note: sharded state dict layout] in fsdp/state_dict.py."""
-        from fsdp.state_dict import sharded_state_dict
-
-        return sharded_state_dict(self._state_layout())
+        return sd_impl.sharded_state_dict(self._state_layout())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load a :meth:`sharded_state_dict` (e.g. filled by ``torch.distributed.checkpoint.load``). Collective;
         the ranks agree that names and shapes fit before anything is written."""
-        from fsdp.state_dict import load_sharded_state_dict
-
-        return load_sharded_state_dict(self._state_layout(), state_dict, strict)
+        return sd_impl.load_sharded_state_dict(self._state_layout(), state_dict, strict)
 
     def gather_full_optim_state_dict(
         self, optim: torch.optim.Optimizer, **ignored: Any
@@ -875,10 +835,8 @@ class FullyShardedDataParallel(nn.Module):
         """The optimizer state per original parameter (a plain optimizer's state dict over the unwrapped
         model, plus ``"param_names"``), on rank 0 only (``recipient_rank=r``: on rank r); None on the
         other ranks. Collective. Other keyword arguments are ignored, as in fairscale."""
-        from fsdp.optim_state import gather_full_optim_state_dict
-
         recipient_rank = int(ignored.pop("recipient_rank", 0))
-        return gather_full_optim_state_dict(self._state_layout(), optim, recipient_rank)
+        return optim_impl.gather_full_optim_state_dict(self._state_layout(), optim, recipient_rank)
 
     def get_shard_from_optim_state_dict(
         self, full_optim_state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None
@@ -886,24 +844,18 @@ class FullyShardedDataParallel(nn.Module):
         """This rank's part of a full optimizer state dict (from any world size), for ``optim.load_state_dict``.
         Pass ``optim`` when its param groups list the flat parameters in another order than
         ``model.parameters()``. The argument is not modified."""
-        from fsdp.optim_state import get_shard_from_optim_state_dict
-
-        return get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
+        return optim_impl.get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
 
     def sharded_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, per-element state as row-sharded ``DTensor``s, for
         ``torch.distributed.checkpoint``: it reshards without being gathered on one rank. Collective."""
-        from fsdp.optim_state import sharded_optim_state_dict
-
-        return sharded_optim_state_dict(self._state_layout(), optim)
+        return optim_impl.sharded_optim_state_dict(self._state_layout(), optim)
 
     def load_sharded_optim_state_dict(
         self, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]
     ) -> None:
         """Load a :meth:`sharded_optim_state_dict` (saved at any world size) into ``optim``. Collective."""
-        from fsdp.optim_state import load_sharded_optim_state_dict
-
-        load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
+        optim_impl.load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
 
 
 FSDP = FullyShardedDataParallel
@@ -915,233 +867,12 @@ def get_fsdp_instances(module: nn.Module) -> list[FullyShardedDataParallel]:
 
 
 # ---------------------------------------------------------------------- helpers
-def _resolve_strategy(strategy: Any, reshard_after_forward: bool) -> tuple[ShardingStrategy, bool]:
-    """fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` as one decision."""
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"FullyShardedDataParallel: `reshard_after_forward` must be a bool, got {reshard_after_forward!r}"
-        )
-    if strategy is None:
-        return (ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP), (
-            reshard_after_forward
-        )
-    if not isinstance(strategy, ShardingStrategy):
-        raise TypeError(
-            f"FullyShardedDataParallel: `sharding_strategy` must be a fsdp.ShardingStrategy, got {strategy!r}"
-        )
-    if strategy is ShardingStrategy.FULL_SHARD and not reshard_after_forward:
-        raise ValueError(
-            "FullyShardedDataParallel: sharding_strategy=FULL_SHARD frees parameters after forward, but "
-            "reshard_after_forward=False keeps them: use ShardingStrategy.SHARD_GRAD_OP instead"
-        )
-    return strategy, reshard_after_forward and strategy is not ShardingStrategy.SHARD_GRAD_OP
-
-
-class _Groups(NamedTuple):
-    shard: dist.ProcessGroup  # parameters are sharded over it (NO_SHARD: unused)
-    shard_size: int
-    shard_rank: int
-    replicate: dist.ProcessGroup | None  # gradient shards are all-reduced over it
-    dp: dist.ProcessGroup  # every rank training the model
-
-
-def _resolve_groups(strategy: ShardingStrategy, process_group: Any) -> _Groups:
-    world = dist.group.WORLD
-    assert world is not None
-    if strategy is ShardingStrategy.HYBRID_SHARD:
-        if isinstance(process_group, tuple):
-            if len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in process_group):
-                raise TypeError(
-                    "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
-                )
-            shard, replicate = process_group
-        elif process_group is None:
-            local = os.environ.get("LOCAL_WORLD_SIZE")
-            if local is None:
-                raise ValueError(
-                    "FullyShardedDataParallel: HYBRID_SHARD needs process_group=(shard_group, replicate_group), "
-                    "or LOCAL_WORLD_SIZE in the environment (set by torchrun) to shard within each node"
-                )
-            shard, replicate = hybrid_groups(int(local))
-        else:
-            raise TypeError(
-                "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
-            )
-        size = dist.get_world_size(shard)
-        return _Groups(
-            shard,
-            size,
-            dist.get_rank(shard),
-            replicate if dist.get_world_size(replicate) > 1 else None,
-            world,
-        )
-    if isinstance(process_group, tuple):
-        raise TypeError(
-            "FullyShardedDataParallel: a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD"
-        )
-    group = process_group if process_group is not None else world
-    if strategy is ShardingStrategy.NO_SHARD:
-        return _Groups(group, 1, 0, group if dist.get_world_size(group) > 1 else None, group)
-    return _Groups(group, dist.get_world_size(group), dist.get_rank(group), None, group)
-
-
-def _reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int) -> dist.ProcessGroup:
-    if option is None or option == ProcessGroupName.default:
-        return group
-    if option == ProcessGroupName.reduce_scatter:
-        return get_process_group_cached(group, "reduce_scatter")
-    if isinstance(option, dist.ProcessGroup):
-        if dist.get_world_size(option) != world_size:
-            raise ValueError(
-                f"FullyShardedDataParallel: process_group_reduce_scatter has {dist.get_world_size(option)} ranks but "
-                f"process_group has {world_size}; pass a group with the same ranks"
-            )
-        return option
-    raise TypeError(
-        "FullyShardedDataParallel: process_group_reduce_scatter must be a ProcessGroup or a ProcessGroupName, "
-        f"got {option!r}"
-    )
-
-
-def _collect_owned(
-    module: nn.Module,
-) -> tuple[list[tuple[str, nn.Parameter]], dict[str, nn.Module], list[tuple[str, FullyShardedDataParallel]]]:
-    """Parameters (every name, tied ones included) not under an inner wrapper; modules by name; inner wrappers."""
-    owned: list[tuple[str, nn.Parameter]] = []
-    module_of: dict[str, nn.Module] = {}
-    inner: list[tuple[str, FullyShardedDataParallel]] = []
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        module_of[prefix.rstrip(".")] = m
-        for name, p in m._parameters.items():
-            if p is not None:
-                owned.append((prefix + name, p))
-        for name, child in m._modules.items():
-            if child is None:
-                continue
-            if isinstance(child, FullyShardedDataParallel):
-                inner.append((prefix + name, child))
-            else:
-                visit(child, prefix + name + ".")
-
-    visit(module, "")
-    return owned, module_of, inner
-
-
-def _check_not_owned_by_inner(
-    owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, FullyShardedDataParallel]]
-) -> None:
-    for path, wrapper in inner:
-        for w in wrapper._wrappers():
-            for fqn, p in owned:
-                if w._original_params.get(id(p)) is p:
-                    raise ValueError(
-                        f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of the "
-                        f"inner wrapper at {path!r}; a tied (shared) parameter must be owned by one wrapper. Put both "
-                        "modules that use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
-                    )
-
-
-def _wrapper_path(root: nn.Module, wrapper: nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is wrapper:
-            return _plain_name(name) or "<root>"
-    return "<unknown>"
-
-
-def _fingerprint(root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]) -> list[str]:
-    lines = []
-    for w in wrappers:
-        params = [
-            f"{info.fqn}:{tuple(info.shape)}:{str(h.meta.dtype)[6:]}:{'T' if h.requires_grad else 'F'}"
-            for h in w.handles
-            for info in h.meta.params
-        ]
-        lines.append(f"{_wrapper_path(root, w)} [{type(w.module).__name__}] " + " ".join(params))
-    return lines
-
-
-def _check_same_wrappers_on_all_ranks(
-    root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]
-) -> None:
-    """Compare a fingerprint of the wrapper tree across ranks; raise on every rank if they differ."""
-    group = root.config.comm.dp_group
-    if root.world_size == 1:
-        return
-    lines = _fingerprint(root, wrappers)
-    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
-    digests: list[Any] = [None] * root.world_size
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
-        return
-    everyone: list[Any] = [None] * root.world_size
-    dist.all_gather_object(everyone, lines, group=group)
-    first = next(r for r in range(root.world_size) if digests[r] != digests[0])
-    mine, theirs = everyone[0], everyone[first]
-    diff = next(
-        (f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(mine, theirs) if a != b),
-        f"rank 0 has {len(mine)} wrappers, rank {first} has {len(theirs)}",
-    )
-    raise RuntimeError(
-        "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
-        f"the same way):\n  {diff}"
-    )
-
-
-def _check_same_reductions_on_all_ranks(
-    root: FullyShardedDataParallel, wrappers: list[FullyShardedDataParallel]
-) -> None:
-    """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch."""
-    handles = [(w, h) for w in wrappers for h in w.handles if h.requires_grad]
-    if root.world_size == 1 or not handles:
-        return
-    mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
-    both = torch.cat([mine, -mine]).to(root.compute_device)
-    stats = root._ctx.stats if root._ctx is not None else None
-    assert root.config.comm.dp_group is not None
-    all_reduce(both, root.config.comm.dp_group, op=dist.ReduceOp.MAX, stats=stats).wait()
-    both = both.cpu()
-    hi, lo = both[: len(handles)], -both[len(handles) :]
-    differ = [i for i in range(len(handles)) if hi[i] != lo[i]]
-    if differ:
-        w, h = handles[differ[0]]
-        status = "reduced" if mine[differ[0]] else "did not reduce"
-        raise RuntimeError(
-            f"FullyShardedDataParallel: ranks disagree on which parameters got gradients in this backward. Rank "
-            f"{root.rank} {status} the flat parameter of {_wrapper_path(root, w)!r} (parameters "
-            f"{list(h.meta.fqns)[:4]}...) while another rank did the opposite. Every rank must run the same modules "
-            "and use the same parameters in its loss"
-        )
-
-
 def _make_bucketer(root: FullyShardedDataParallel, ctx: _RootContext) -> None:
-    """A bucket engine for the tree's NO_SHARD flat parameters (shared with DistributedDataParallel).
-
-    Buckets of about ``bucket_cap_mb`` are learned in the first backward (rank 0's layout wins) and
-    each is all-reduced as soon as its last flat parameter's gradient is ready.
-    """
-    handles = [
-        (w, h)
-        for w in ctx.wrappers
-        for h in w.handles
-        if h.requires_grad and h.spec.world_size == 1 and h.comm.replicate_group is not None
-    ]
-    groups = {id(h.comm.replicate_group) for _, h in handles}
-    factors = {h.comm.gradient_predivide_factor for _, h in handles}
-    if not handles or len(groups) > 1 or len(factors) > 1:
-        return  # none, or mixed groups: every flat parameter is all-reduced on its own
-    _, first = handles[0]
-    assert first.comm.replicate_group is not None
-    message = max(1, int(root.config.comm.bucket_cap_mb * 2**20 / 4))
-    ctx.bucketer = GradBucketer(
-        [h.flat_param for _, h in handles],
-        [f"{_wrapper_path(root, w)}:{'+'.join(h.meta.fqns)}" for w, h in handles],
-        first.comm.replicate_group,
-        BucketConfig(message_size=message, gradient_predivide_factor=first.comm.gradient_predivide_factor),
-        ctx.device,
-        stats=ctx.stats,
+    """The bucket engine for the tree's NO_SHARD flat parameters (shared with DistributedDataParallel)."""
+    items = [(f"{wrapper_path(root, w)}:{'+'.join(h.meta.fqns)}", h) for w in ctx.wrappers for h in w.handles]
+    ctx.bucketer, ctx.bucket_index = make_no_shard_bucketer(
+        items, root.config.comm.bucket_cap_mb, ctx.device, ctx.stats
     )
-    ctx.bucket_index = {id(h): i for i, (_, h) in enumerate(handles)}
 
 
 def _finish_buckets(ctx: _RootContext) -> None:
@@ -1162,20 +893,3 @@ def _put(destination: dict[str, Any], key: str, value: torch.Tensor | None) -> N
         del destination[key]
     else:
         destination[key] = value
-
-
-def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None], opaque: list[Any]) -> None:
-    """Call ``fn`` on every tensor in a nest of tuples, lists, dicts, namedtuples and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        fn(obj)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _visit_tensors(v, fn, opaque)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            _visit_tensors(v, fn, opaque)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _visit_tensors(getattr(obj, f.name), fn, opaque)
-    elif obj is not None and not isinstance(obj, (int, float, bool, str, bytes, complex)):
-        opaque.append(obj)

@@ -48,13 +48,16 @@ gradients of every unit stay allocated inside the context.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import DeviceHandle
 from fsdp.api import CommConfig, MemoryState
+from fsdp.buckets import BucketConfig, GradBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
     FlatParamMeta,
@@ -66,7 +69,7 @@ from fsdp.flat_param import (
 )
 from fsdp.sharding import ShardSpec, shard_spec
 
-__all__ = ["FlatParamHandle"]
+__all__ = ["FlatParamHandle", "clip_grad_norm_", "make_no_shard_bucketer"]
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -416,3 +419,81 @@ class FlatParamHandle:
             out = self._saved_grad_shard.add_(out)
             self._saved_grad_shard = None
         self.flat_param.grad = out
+
+
+def clip_grad_norm_(
+    handles: Sequence[FlatParamHandle],
+    max_norm: float,
+    norm_type: float,
+    device: torch.device,
+    stats: CommStats,
+) -> torch.Tensor:
+    """Clip the shard gradients of ``handles`` by their global ``norm_type``-norm; return the norm.
+
+    ``|g|^p`` is summed (max for the inf-norm) over the local shards per shard group, padding
+    contributing zeros, and all-reduced once per group; unsharded (NO_SHARD) gradients are complete
+    locally, so replicas are never counted twice. Collective over the shard groups.
+    """
+    p = norm_type
+    partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
+    for h in handles:
+        grad = h.flat_param.grad
+        if grad is None or grad.numel() == 0:
+            value = torch.zeros((), device=device)
+        elif p == math.inf:
+            value = grad.detach().abs().max().float()
+        else:
+            value = torch.linalg.vector_norm(grad.detach().float(), p) ** p
+        group = h.comm.process_group if h.spec.world_size > 1 else None
+        if id(group) in partial:
+            old = partial[id(group)][1]
+            value = torch.maximum(old, value.to(device)) if p == math.inf else old + value.to(device)
+        partial[id(group)] = (group, value.to(device))
+    total = torch.zeros((), device=device)
+    for group, value in partial.values():
+        if group is not None:
+            op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+            all_reduce(value, group, op=op, stats=stats).wait()
+        total = torch.maximum(total, value) if p == math.inf else total + value
+    norm = total if p == math.inf else total ** (1.0 / p)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for h in handles:
+        grad = h.flat_param.grad
+        if grad is not None:
+            grad.detach().mul_(coef.to(grad.device, grad.dtype))
+    return norm
+
+
+def make_no_shard_bucketer(
+    items: Sequence[tuple[str, FlatParamHandle]], bucket_cap_mb: float, device: DeviceHandle, stats: CommStats
+) -> tuple[GradBucketer | None, dict[int, int]]:
+    """A bucket engine over the trainable NO_SHARD handles of ``items`` ((name, handle) pairs).
+
+    Buckets of about ``bucket_cap_mb`` are learned in the first backward (rank 0's layout wins);
+    each is all-reduced as soon as its last flat parameter's gradient is ready. Returns the engine
+    and ``id(handle) -> index``; ``(None, {})`` when there is nothing to bucket or the handles do not
+    share one replicate group and divide factor (each is then all-reduced on its own).
+    """
+    chosen = [
+        (name, h)
+        for name, h in items
+        if h.requires_grad and h.spec.world_size == 1 and h.comm.replicate_group is not None
+    ]
+    if not chosen:
+        return None, {}
+    group = chosen[0][1].comm.replicate_group
+    factor = chosen[0][1].comm.gradient_predivide_factor
+    if any(
+        h.comm.replicate_group is not group or h.comm.gradient_predivide_factor != factor for _, h in chosen
+    ):
+        return None, {}
+    assert group is not None
+    bucketer = GradBucketer(
+        [h.flat_param for _, h in chosen],
+        [name for name, _ in chosen],
+        group,
+        BucketConfig(message_size=max(1, int(bucket_cap_mb * 2**20 / 4)), gradient_predivide_factor=factor),
+        device,
+        stats=stats,
+    )
+    return bucketer, {id(h): i for i, (_, h) in enumerate(chosen)}

@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parents[2] / "fsdp"
 
 # Top to bottom: each module may import only from modules listed above it.
 ORDER = [
-    "api", "_device", "flat_param", "sharding", "collectives", "buckets", "handle", "mixed_precision",
+    "api", "_device", "nest", "flat_param", "sharding", "collectives", "consistency", "topology", "buckets", "handle",
+    "mixed_precision",
     "sharded_grad_scaler", "state_dict", "optim_state", "checkpoint", "wrap", "data_parallel",
     "offload_model", "fully_sharded", "checkpoint_io", "consolidate",
 ]  # fmt: skip

@@ -1,0 +1,102 @@
+"""Cross-rank agreement: every rank must build the same wrappers and reduce the same parameters.
+
+A distributed mistake must fail on every rank with a message that names it, never hang or
+silently produce wrong results. These checks run at the root's lazy init (a fingerprint of the
+wrapper tree) and at the end of every synchronized backward (which flat parameters were reduced).
+Wrappers are passed duck-typed: this module never imports the wrapper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp.collectives import all_reduce
+
+__all__ = [
+    "WRAPPED",
+    "check_same_reductions_on_all_ranks",
+    "check_same_wrappers_on_all_ranks",
+    "fingerprint",
+    "plain_name",
+    "wrapper_path",
+]
+
+WRAPPED = "_fsdp_wrapped_module"  # the attribute under which a wrapper holds its module
+
+
+def plain_name(name: str) -> str:
+    """A name inside the wrapper tree as it is in the unwrapped module."""
+    return name.replace(WRAPPED + ".", "").replace("." + WRAPPED, "").replace(WRAPPED, "")
+
+
+def wrapper_path(root: nn.Module, wrapper: Any) -> str:
+    for name, m in root.named_modules():
+        if m is wrapper:
+            return plain_name(name) or "<root>"
+    return "<unknown>"
+
+
+def fingerprint(root: Any, wrappers: list[Any]) -> list[str]:
+    lines = []
+    for w in wrappers:
+        params = [
+            f"{info.fqn}:{tuple(info.shape)}:{str(h.meta.dtype)[6:]}:{'T' if h.requires_grad else 'F'}"
+            for h in w.handles
+            for info in h.meta.params
+        ]
+        lines.append(f"{wrapper_path(root, w)} [{type(w.module).__name__}] " + " ".join(params))
+    return lines
+
+
+def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
+    """Compare a fingerprint of the wrapper tree across ranks; raise on every rank if they differ."""
+    group = root.config.comm.dp_group
+    if root.world_size == 1:
+        return
+    lines = fingerprint(root, wrappers)
+    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+    digests: list[Any] = [None] * root.world_size
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[Any] = [None] * root.world_size
+    dist.all_gather_object(everyone, lines, group=group)
+    first = next(r for r in range(root.world_size) if digests[r] != digests[0])
+    mine, theirs = everyone[0], everyone[first]
+    diff = next(
+        (f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(mine, theirs) if a != b),
+        f"rank 0 has {len(mine)} wrappers, rank {first} has {len(theirs)}",
+    )
+    raise RuntimeError(
+        "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
+        f"the same way):\n  {diff}"
+    )
+
+
+def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
+    """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch."""
+    handles = [(w, h) for w in wrappers for h in w.handles if h.requires_grad]
+    if root.world_size == 1 or not handles:
+        return
+    mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
+    both = torch.cat([mine, -mine]).to(root.compute_device)
+    stats = root._ctx.stats if root._ctx is not None else None
+    assert root.config.comm.dp_group is not None
+    all_reduce(both, root.config.comm.dp_group, op=dist.ReduceOp.MAX, stats=stats).wait()
+    both = both.cpu()
+    hi, lo = both[: len(handles)], -both[len(handles) :]
+    differ = [i for i in range(len(handles)) if hi[i] != lo[i]]
+    if differ:
+        w, h = handles[differ[0]]
+        status = "reduced" if mine[differ[0]] else "did not reduce"
+        raise RuntimeError(
+            f"FullyShardedDataParallel: ranks disagree on which parameters got gradients in this backward. Rank "
+            f"{root.rank} {status} the flat parameter of {wrapper_path(root, w)!r} (parameters "
+            f"{list(h.meta.fqns)[:4]}...) while another rank did the opposite. Every rank must run the same modules "
+            "and use the same parameters in its loss"
+        )

@@ -1,0 +1,108 @@
+"""Who communicates with whom: sharding strategy, shard / replicate / data-parallel groups.
+
+Resolves fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` into one
+:class:`~fsdp.api.ShardingStrategy`, and the ``process_group`` argument (a group, a
+``(shard, replicate)`` pair for HYBRID_SHARD, or nothing) into the groups a wrapper uses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from fsdp.api import ProcessGroupName, ShardingStrategy
+from fsdp.collectives import get_process_group_cached, hybrid_groups
+
+__all__ = ["ProcessGroups", "reduce_scatter_group", "resolve_groups", "resolve_strategy"]
+
+
+def resolve_strategy(strategy: Any, reshard_after_forward: bool) -> tuple[ShardingStrategy, bool]:
+    """fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` as one decision."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"FullyShardedDataParallel: `reshard_after_forward` must be a bool, got {reshard_after_forward!r}"
+        )
+    if strategy is None:
+        return (ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP), (
+            reshard_after_forward
+        )
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(
+            f"FullyShardedDataParallel: `sharding_strategy` must be a fsdp.ShardingStrategy, got {strategy!r}"
+        )
+    if strategy is ShardingStrategy.FULL_SHARD and not reshard_after_forward:
+        raise ValueError(
+            "FullyShardedDataParallel: sharding_strategy=FULL_SHARD frees parameters after forward, but "
+            "reshard_after_forward=False keeps them: use ShardingStrategy.SHARD_GRAD_OP instead"
+        )
+    return strategy, reshard_after_forward and strategy is not ShardingStrategy.SHARD_GRAD_OP
+
+
+class ProcessGroups(NamedTuple):
+    """The groups one wrapper communicates over (see CommConfig)."""
+
+    shard: dist.ProcessGroup  # parameters are sharded over it (NO_SHARD: unused)
+    shard_size: int
+    shard_rank: int
+    replicate: dist.ProcessGroup | None  # gradient shards are all-reduced over it
+    dp: dist.ProcessGroup  # every rank training the model
+
+
+def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGroups:
+    world = dist.group.WORLD
+    assert world is not None
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if isinstance(process_group, tuple):
+            if len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in process_group):
+                raise TypeError(
+                    "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
+                )
+            shard, replicate = process_group
+        elif process_group is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if local is None:
+                raise ValueError(
+                    "FullyShardedDataParallel: HYBRID_SHARD needs process_group=(shard_group, replicate_group), "
+                    "or LOCAL_WORLD_SIZE in the environment (set by torchrun) to shard within each node"
+                )
+            shard, replicate = hybrid_groups(int(local))
+        else:
+            raise TypeError(
+                "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
+            )
+        size = dist.get_world_size(shard)
+        return ProcessGroups(
+            shard,
+            size,
+            dist.get_rank(shard),
+            replicate if dist.get_world_size(replicate) > 1 else None,
+            world,
+        )
+    if isinstance(process_group, tuple):
+        raise TypeError(
+            "FullyShardedDataParallel: a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD"
+        )
+    group = process_group if process_group is not None else world
+    if strategy is ShardingStrategy.NO_SHARD:
+        return ProcessGroups(group, 1, 0, group if dist.get_world_size(group) > 1 else None, group)
+    return ProcessGroups(group, dist.get_world_size(group), dist.get_rank(group), None, group)
+
+
+def reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int) -> dist.ProcessGroup:
+    if option is None or option == ProcessGroupName.default:
+        return group
+    if option == ProcessGroupName.reduce_scatter:
+        return get_process_group_cached(group, "reduce_scatter")
+    if isinstance(option, dist.ProcessGroup):
+        if dist.get_world_size(option) != world_size:
+            raise ValueError(
+                f"FullyShardedDataParallel: process_group_reduce_scatter has {dist.get_world_size(option)} ranks but "
+                f"process_group has {world_size}; pass a group with the same ranks"
+            )
+        return option
+    raise TypeError(
+        "FullyShardedDataParallel: process_group_reduce_scatter must be a ProcessGroup or a ProcessGroupName, "
+        f"got {option!r}"
+    )
