@@ -46,14 +46,13 @@ from fsdp.optim_state import (
     sharded_optim_state_dict_template,
 )
 from fsdp.state_dict import (
-    Layout,
     ShardedLoadPlan,
-    agree,
     apply_sharded_state_dict,
     check_sharded_state_dict,
     sharded_state_dict,
     sharded_state_dict_template,
 )
+from fsdp.state_layout import Layout, agree
 
 __all__ = [
     "COMMIT_MARKER",

@@ -54,6 +54,7 @@ from fsdp.consistency import (
     plain_name,
     wrapper_path,
 )
+from fsdp.deferred_init import has_meta_tensors, materialize_
 from fsdp.flat_param import check_not_owned_by_inner, collect_owned, group_params
 from fsdp.handle import FlatParamHandle, clip_grad_norm_, make_no_shard_bucketer
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
@@ -150,6 +151,7 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: float | None = None,
         allow_reset_parameters: bool = False,
         sharding_strategy: ShardingStrategy | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -175,18 +177,25 @@ class FullyShardedDataParallel(nn.Module):
             else default_gradient_predivide_factor(dp_size)
         )
 
-        owned, module_of, inner = collect_owned(module, lambda m: isinstance(m, FullyShardedDataParallel))
+        is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
+        owned, module_of, inner = collect_owned(module, is_wrapper)
         check_not_owned_by_inner(owned, inner)
+        if has_meta_tensors(owned, module_of):  # deferred init: materialize this unit only
+            target = (
+                torch.device(compute_device) if compute_device is not None else default_compute_device(set())
+            )
+            materialize_(owned, module_of, target, param_init_fn)
+            owned, module_of, inner = collect_owned(module, is_wrapper)
+        elif param_init_fn is not None:
+            raise ValueError(
+                "FullyShardedDataParallel: param_init_fn initializes modules built on the meta device, but "
+                f"{type(module).__name__} has no meta parameters or buffers; drop param_init_fn"
+            )
         devices = {p.device for _, p in owned}
         if len(devices) > 1:
             raise ValueError(
                 f"FullyShardedDataParallel: the parameters of {type(module).__name__} are on several devices "
                 f"({', '.join(sorted(str(d) for d in devices))}); move the module to one device before wrapping"
-            )
-        if any(d.type == "meta" for d in devices):
-            raise NotImplementedError(
-                "FullyShardedDataParallel: parameters on the meta device (deferred initialization) are not "
-                "supported yet; materialize the module before wrapping"
             )
         device = (
             torch.device(compute_device) if compute_device is not None else default_compute_device(devices)

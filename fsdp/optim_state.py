@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from fsdp.handle import FlatParamHandle
-from fsdp.state_dict import (
+from fsdp.state_layout import (
     Layout,
     ParamSlot,
     agree,

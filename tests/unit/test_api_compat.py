@@ -58,7 +58,7 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
     ours, theirs = _params(FullyShardedDataParallel.__init__), _params(FairscaleFSDP.__init__)
     # fairscale's arguments first, in order; ours adds torch-FSDP style ones after them
     assert [n for n, _ in ours][: len(theirs)] == [n for n, _ in theirs]
-    assert [n for n, _ in ours][len(theirs) :] == ["sharding_strategy"]
+    assert [n for n, _ in ours][len(theirs) :] == ["sharding_strategy", "param_init_fn"]
     for (name, default), (_, ref_default) in zip(ours, theirs):
         if name == "process_group_reduce_scatter":
             assert default.value == ref_default.value == "reduce_scatter"

@@ -1,0 +1,78 @@
+"""Deferred initialization: a model built on the meta device is materialized one wrapper at a time.
+
+Build the model under ``torch.device("meta")`` (no memory), wrap it innermost first, and each
+wrapper materializes only the modules it owns, initializes them, flattens and shards them, and
+drops the full tensors before the next wrapper is built. No rank ever holds more than one unit's
+full parameters, and after wrapping each rank holds its ``1/N`` shards only.
+
+Initialization runs ``param_init_fn(module)`` when given, else the module's own
+``reset_parameters()``, module by module in a fixed order, so ranks seeded alike produce identical
+values (each then keeps its own slice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["has_meta_tensors", "materialize_"]
+
+
+def has_meta_tensors(owned: list[tuple[str, nn.Parameter]], modules: dict[str, nn.Module]) -> bool:
+    """Whether this unit is to be materialized: all its parameters (at least one) are on the meta
+    device, or it has none and some buffer is. A mix of meta and real parameters is left for the
+    caller to refuse as parameters on several devices."""
+    if owned:
+        return all(p.is_meta for _, p in owned)
+    return any(b is not None and b.is_meta for m in modules.values() for b in m._buffers.values())
+
+
+def materialize_(
+    owned: list[tuple[str, nn.Parameter]],
+    modules: dict[str, nn.Module],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> None:
+    """Give every meta parameter and buffer of ``modules`` real memory on ``device`` and initialize it.
+
+    ``owned`` lists every name of every owned parameter (tied ones included), so that a parameter
+    shared by two modules stays one tensor after materialization. Modules are processed one at a
+    time with ``to_empty(recurse=False)`` followed by ``param_init_fn(module)`` or
+    ``module.reset_parameters()``.
+    """
+    names_of: dict[int, list[tuple[nn.Module, str]]] = {}
+    for fqn, p in owned:
+        module_name, _, param_name = fqn.rpartition(".")
+        names_of.setdefault(id(p), []).append((modules[module_name], param_name))
+    replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialized successor
+    seen: set[int] = set()
+    for name, module in modules.items():
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        params = {n: p for n, p in module._parameters.items() if p is not None}
+        pending = [p for p in params.values() if p.is_meta and id(p) not in replaced]
+        buffers = [b for b in module._buffers.values() if b is not None and b.is_meta]
+        if not pending and not buffers:
+            continue
+        module.to_empty(device=device, recurse=False)
+        if param_init_fn is not None:
+            param_init_fn(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            with torch.no_grad():
+                module.reset_parameters()  # type: ignore[operator]
+        else:
+            raise ValueError(
+                f"FullyShardedDataParallel: {type(module).__name__} at {name or '<root>'!r} is on the meta device and "
+                "has no reset_parameters(); pass param_init_fn=... to initialize it after materialization"
+            )
+        for n, old in params.items():
+            if old.is_meta and id(old) not in replaced:
+                replaced[id(old)] = module._parameters[n]  # type: ignore[assignment]
+    # a tied parameter is one tensor again: every name of it points at the same successor
+    for old_id, new in replaced.items():
+        for module, param_name in names_of.get(old_id, []):
+            if module._parameters.get(param_name) is not new:
+                module._parameters[param_name] = new

@@ -1,0 +1,399 @@
+"""The description of a wrapped model that the state-dict and optimizer-state functions work on, and
+the helpers they share. Never imports the wrapper.
+
+- :class:`Layout` (built by :func:`describe`): every wrapper's flat parameters, every original
+  parameter (by its name in the unwrapped model, in ``named_parameters()`` order), every persistent
+  buffer, and the unwrapped model's ``state_dict()`` keys.
+- :func:`agree`: every rank raises the same error, before a step whose collectives only match if
+  every rank takes part.
+- Row sharding: an original parameter as a ``Shard(0)`` DTensor over the data-parallel group
+  (:func:`to_sharded`, :func:`empty_sharded`) and back into this rank's flat chunk
+  (:func:`shard_writes`, :func:`write_shard_`). See [Note: sharded state dict layout] in
+  ``fsdp/state_dict.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp.collectives import all_gather
+from fsdp.flat_param import ParamInfo
+from fsdp.handle import FlatParamHandle
+from fsdp.sharding import intersect
+
+__all__ = [
+    "BufferSlot",
+    "Layout",
+    "ParamSlot",
+    "Unit",
+    "UnitSpec",
+    "agree",
+    "describe",
+    "digest_of",
+    "empty_sharded",
+    "gather_full_flat",
+    "row_range",
+    "shard_writes",
+    "to_sharded",
+    "value_kind",
+    "write_shard_",
+]
+
+
+# ---------------------------------------------------------------------- the model's description
+@dataclass(frozen=True)
+class UnitSpec:
+    """What one wrapper tells :func:`describe` about itself."""
+
+    wrapped: nn.Module  # the module the wrapper wraps
+    handles: Sequence[FlatParamHandle]
+    param_order: Mapping[nn.Module, Sequence[str]]  # original parameter order of each owned module
+    buffer_dtypes: Mapping[
+        str, torch.dtype
+    ]  # owned buffer (name relative to `wrapped`) -> dtype before wrapping
+    no_broadcast_optim_state: bool = False
+
+
+@dataclass(frozen=True)
+class Unit:
+    path: str  # the wrapper's module path in the unwrapped model ("" for the root)
+    handles: tuple[FlatParamHandle, ...]
+    no_broadcast_optim_state: bool
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One original parameter: where it lives in which flat parameter, under which names."""
+
+    name: str  # name in the unwrapped model (first name met by named_parameters())
+    handle: FlatParamHandle
+    index: int  # position in handle.meta.params
+    aliases: tuple[str, ...]  # further names of a tied parameter
+
+    @property
+    def info(self) -> ParamInfo:
+        return self.handle.meta.params[self.index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.info.shape)
+
+    def view(self, full_flat: torch.Tensor) -> torch.Tensor:
+        """This parameter inside an unpadded full flat tensor of its handle, in its original shape."""
+        return full_flat.narrow(0, self.info.offset, self.info.numel).view(self.info.shape)
+
+
+@dataclass(frozen=True)
+class BufferSlot:
+    name: str  # state_dict() key in the unwrapped model
+    module: nn.Module
+    attr: str
+    dtype: torch.dtype  # before wrapping (state_dict() returns this dtype)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        value = self.module._buffers[self.attr]
+        assert value is not None, f"buffer {self.name} was removed"
+        return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every original parameter and persistent buffer of a wrapped model lives."""
+
+    units: tuple[Unit, ...]  # every wrapper, outermost first, in module order
+    params: tuple[ParamSlot, ...]  # unwrapped model's named_parameters() order (tied: once)
+    buffers: tuple[BufferSlot, ...]  # persistent buffers
+    keys: tuple[str, ...]  # the unwrapped model's state_dict() keys, in order (tied: every name)
+    by_handle: Mapping[int, tuple[ParamSlot, ...]]  # id(handle) -> its slots in flat order
+    group: dist.ProcessGroup  # every rank that trains the model (data-parallel group)
+    world_size: int
+    rank: int
+    device: torch.device
+
+    def handles(self) -> list[FlatParamHandle]:
+        return [h for u in self.units for h in u.handles]
+
+    def slots(self, handle: FlatParamHandle) -> tuple[ParamSlot, ...]:
+        return self.by_handle[id(handle)]
+
+    def fingerprint(self) -> str:
+        """SHA-1 of the wrap plan: wrapper paths and each flat parameter's names, shapes, dtype, trainability."""
+        lines = []
+        for u in self.units:
+            for h in u.handles:
+                params = " ".join(f"{p.fqn}:{tuple(p.shape)}" for p in h.meta.params)
+                shared = " ".join(s.fqn for s in h.meta.shared)
+                lines.append(f"{u.path}|{h.meta.dtype}|{h.meta.requires_grad}|{params}|{shared}")
+        return hashlib.sha1("\n".join(lines).encode()).hexdigest()
+
+    def mesh(self) -> DeviceMesh:
+        return DeviceMesh.from_group(self.group, self.device.type)
+
+
+def describe(
+    root: nn.Module,
+    units: Mapping[int, UnitSpec],
+    group: dist.ProcessGroup,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> Layout:
+    """Walk the wrapper tree as ``nn.Module.state_dict`` walks the unwrapped model.
+
+    ``units`` maps ``id(wrapper)`` to its :class:`UnitSpec`; a wrapper is transparent (its wrapped
+    module takes its place and its name), so names come out as in the unwrapped model.
+    """
+    where: dict[tuple[int, str], tuple[FlatParamHandle, int]] = {}
+    for spec in units.values():
+        for h in spec.handles:
+            for i, (info, m) in enumerate(zip(h.meta.params, h.modules, strict=True)):
+                where[(id(m), info.param_name)] = (h, i)
+            for s, m in zip(h.meta.shared, h.shared_modules, strict=True):
+                where[(id(m), s.param_name)] = (h, s.primary)
+    found: list[Unit] = []
+    names: dict[tuple[int, int], list[str]] = {}
+    order: list[tuple[FlatParamHandle, int]] = []
+    buffers: list[BufferSlot] = []
+    keys: list[str] = []
+
+    def visit(m: nn.Module, prefix: str, owner: UnitSpec | None, rel: str) -> None:
+        spec = units.get(id(m))
+        if spec is not None:
+            found.append(Unit(prefix[:-1], tuple(spec.handles), spec.no_broadcast_optim_state))
+            visit(spec.wrapped, prefix, spec, "")
+            return
+        own = owner.param_order.get(m) if owner is not None else None
+        for pname in own if own is not None else [n for n, p in m._parameters.items() if p is not None]:
+            loc = where.get((id(m), pname))
+            if loc is None and pname in m._parameters and m._parameters[pname] is None:
+                continue  # e.g. Linear(bias=False): registered as None, not in the state dict
+            if loc is None:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: parameter {prefix + pname!r} is not managed by any wrapper "
+                    "(added after wrapping?); register parameters before wrapping the module"
+                )
+            slot_key = (id(loc[0]), loc[1])
+            if slot_key not in names:
+                names[slot_key] = []
+                order.append(loc)
+            names[slot_key].append(prefix + pname)
+            keys.append(prefix + pname)
+        for bname, b in m._buffers.items():
+            if b is None or bname in m._non_persistent_buffers_set:
+                continue
+            dtype = owner.buffer_dtypes.get(rel + bname, b.dtype) if owner is not None else b.dtype
+            buffers.append(BufferSlot(prefix + bname, m, bname, dtype))
+            keys.append(prefix + bname)
+        for cname, child in m._modules.items():
+            if child is not None:
+                visit(child, prefix + cname + ".", owner, rel + cname + ".")
+
+    visit(root, "", None, "")
+    params = tuple(ParamSlot(names[(id(h), i)][0], h, i, tuple(names[(id(h), i)][1:])) for h, i in order)
+    by_handle: dict[int, list[ParamSlot]] = {id(h): [] for u in found for h in u.handles}
+    for slot in params:
+        by_handle[id(slot.handle)].append(slot)
+    for u in found:
+        for h in u.handles:
+            slots = sorted(by_handle[id(h)], key=lambda s: s.index)
+            assert [s.index for s in slots] == list(range(len(h.meta.params))), (
+                f"parameters of {u.path or '<root>'} not reached by the module walk"
+            )
+            by_handle[id(h)] = slots
+    return Layout(
+        tuple(found),
+        params,
+        tuple(buffers),
+        tuple(keys),
+        {k: tuple(v) for k, v in by_handle.items()},
+        group,
+        world_size,
+        rank,
+        device,
+    )
+
+
+# ---------------------------------------------------------------------- cross-rank agreement
+def agree(
+    layout: Layout,
+    error: str | None,
+    what: str,
+    digest: str = "",
+    exc_type: type[Exception] = RuntimeError,
+) -> None:
+    """Raise the same error on every rank if any rank failed, or if the ranks' ``digest`` differ.
+
+    Call it before a step whose collectives only match if every rank takes part (one tiny
+    ``all_gather_object``), so that a mistake on one rank never leaves the others blocked.
+    """
+    if layout.world_size == 1:
+        if error is not None:
+            raise exc_type(f"{what}: {error}")
+        return
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, (error, digest), group=layout.group)
+    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    if failed:
+        distinct: dict[str, list[int]] = {}
+        for r, e in failed:
+            distinct.setdefault(e, []).append(r)
+        lines = [f"rank(s) {ranks}: {e}" for e, ranks in distinct.items()]
+        raise exc_type(f"{what} failed on rank(s) {[r for r, _ in failed]}:\n  " + "\n  ".join(lines))
+    if len({d for _, d in gathered}) > 1:
+        raise exc_type(
+            f"{what}: ranks passed differently structured state (every rank must pass the same keys, with "
+            "values of the same kinds); nothing was loaded"
+        )
+
+
+def digest_of(obj: Any) -> str:
+    return hashlib.sha1(repr(obj).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------- row sharding helpers
+def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows of a ``Shard(0)`` DTensor on ``rank``: ``torch.chunk``'s rule (the last ranks may get fewer or none)."""
+    chunk = -(-rows // world_size)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def _rows_numel(shape: tuple[int, ...], world_size: int, rank: int) -> int:
+    lo, hi = row_range(shape[0], world_size, rank)
+    return (hi - lo) * math.prod(shape[1:])
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def to_sharded(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> torch.Tensor:
+    """A copy of this rank's rows of ``full`` as a ``Shard(0)`` DTensor (a 0-dim tensor: a plain copy)."""
+    if full.dim() == 0:
+        return full.detach().clone()
+    lo, hi = row_range(full.shape[0], layout.world_size, layout.rank)
+    shape = tuple(full.shape)
+    return DTensor.from_local(
+        full[lo:hi].detach().clone(),
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )
+
+
+def empty_sharded(
+    shape: tuple[int, ...], dtype: torch.dtype, layout: Layout, mesh: DeviceMesh
+) -> torch.Tensor:
+    """An uninitialized :func:`to_sharded` of a tensor of ``shape``: a template for DCP to load into."""
+    if len(shape) == 0:
+        return torch.empty((), dtype=dtype, device=layout.device)
+    lo, hi = row_range(shape[0], layout.world_size, layout.rank)
+    local = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=layout.device)
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
+    )
+
+
+def gather_full_flat(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    """All-gather a shard-shaped tensor of ``handle`` (its flat parameter, or optimizer state like it) over
+    the shard group; return the unpadded full flat tensor, shape ``(meta.numel,)``. Collective."""
+    assert tuple(shard.shape) == (handle.spec.chunk,), f"{tuple(shard.shape)} is not a shard of {handle.spec}"
+    out = torch.empty(handle.spec.padded_numel, dtype=shard.dtype, device=shard.device)
+    all_gather(out, shard.detach().contiguous(), handle.comm.process_group, handle.stats).wait()
+    return out[: handle.meta.numel]
+
+
+def _is_rows(value: torch.Tensor, layout: Layout) -> bool:
+    return (
+        isinstance(value, DTensor)
+        and value.dim() > 0
+        and tuple(value.placements) == (Shard(0),)
+        and value.device_mesh.size() == layout.world_size
+    )
+
+
+def value_kind(value: torch.Tensor, layout: Layout) -> str:
+    """How :func:`shard_writes` reads a value: "rows" (this rank's rows), "dtensor" (any other DTensor), "full"."""
+    if _is_rows(value, layout):
+        return "rows"
+    return "dtensor" if isinstance(value, DTensor) else "full"
+
+
+def shard_writes(
+    handle: FlatParamHandle, values: Sequence[torch.Tensor | None], layout: Layout, dtype: torch.dtype
+) -> list[tuple[int, int, torch.Tensor]]:
+    """Turn per-parameter values (sharded as by :func:`to_sharded`, other DTensors, or full tensors;
+    None: leave it) into writes ``(lo, hi, data)`` of this rank's flat chunk. Collective when any value
+    is row-sharded: every rank must pass values of the same kinds (check with :func:`agree` first).
+
+    Rows are gathered over the data-parallel group in one all-gather: each rank sends its rows of
+    every row-sharded parameter of the handle, back to back, padded to the longest rank's length.
+    """
+    slots = layout.slots(handle)
+    device = handle.flat_param.device
+    full_of: dict[int, torch.Tensor] = {}
+    rows_at = [i for i, v in enumerate(values) if v is not None and _is_rows(v, layout)]
+    if rows_at:
+        ws = layout.world_size
+        lengths = [[_rows_numel(slots[i].shape, ws, r) for i in rows_at] for r in range(ws)]
+        longest = max(sum(per_rank) for per_rank in lengths)
+        send = torch.zeros(longest, dtype=dtype, device=device)
+        pos = 0
+        for i in rows_at:
+            value = values[i]
+            assert isinstance(value, DTensor)
+            local = value.to_local().reshape(-1)
+            assert local.numel() == lengths[layout.rank][rows_at.index(i)], "rows do not follow torch.chunk"
+            send[pos : pos + local.numel()].copy_(local)
+            pos += local.numel()
+        recv = torch.empty(ws * longest, dtype=dtype, device=device)
+        all_gather(recv, send, layout.group, handle.stats).wait()
+        for k, i in enumerate(rows_at):
+            shape = slots[i].shape
+            row_numel = math.prod(shape[1:])
+            full = torch.empty(math.prod(shape), dtype=dtype, device=device)
+            for r in range(ws):
+                offset = r * longest + sum(lengths[r][:k])
+                lo, _ = row_range(shape[0], ws, r)
+                n = lengths[r][k]
+                full[lo * row_numel : lo * row_numel + n].copy_(recv[offset : offset + n])
+            full_of[i] = full
+    for i, value in enumerate(values):
+        if value is None or i in full_of:
+            continue
+        full_value = value.full_tensor() if isinstance(value, DTensor) else value
+        full_of[i] = full_value.detach().reshape(-1).to(device=device, dtype=dtype)
+    spec = handle.spec
+    writes = []
+    for i, full in full_of.items():
+        info = slots[i].info
+        overlap = intersect(info.offset, info.offset + info.numel, spec.start, spec.start + spec.valid)
+        if overlap is not None:
+            a, b = overlap
+            writes.append((a - spec.start, b - spec.start, full[a - info.offset : b - info.offset]))
+    return writes
+
+
+def write_shard_(handle: FlatParamHandle, writes: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    """Copy ``writes`` into the flat parameter's local shard (between steps ``flat_param`` *is* it) and
+    drop any full parameter kept from an earlier forward: it no longer matches the shard."""
+    with torch.no_grad():
+        for lo, hi, data in writes:
+            handle.flat_param[lo:hi].copy_(data)
+    handle.reshard(free_full=True)

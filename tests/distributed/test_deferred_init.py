@@ -1,0 +1,150 @@
+"""Deferred initialization: models built on the meta device are materialized one unit at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.models import Nested, Tied, wrap
+from tests.parity import compare_training
+from tests.rank_pool import RankPool
+
+
+def _init(module: nn.Module) -> None:
+    """Deterministic per-module init, independent of the order modules are initialized in."""
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            n = p.numel()
+            p.copy_((torch.arange(n, dtype=torch.float32).mul(0.37 + len(name)).sin() * 0.5).view_as(p))
+        for b in module.buffers(recurse=False):
+            b.fill_(0.25)
+
+
+def _materialized_counts(model: nn.Module) -> dict[str, int]:
+    real = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    meta = sum(p.numel() for p in model.parameters() if p.is_meta)
+    return {"real": real, "meta": meta}
+
+
+def _deferred(case: str, use_reset: bool) -> dict[str, object]:
+    cls = {"nested": Nested, "tied": Tied}[case]
+    paths = {"nested": ("body.2", "body", "inp"), "tied": ("mix",)}[case]
+    torch.manual_seed(0)
+    ref = cls()
+    if not use_reset:
+        ref.apply(_init)
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        lazy = cls()
+    kwargs = {} if use_reset else {"param_init_fn": _init}
+    torch.manual_seed(1)  # reset_parameters() draws from the RNG: every rank must draw alike
+    model = wrap(lazy, paths, **kwargs)
+    counts = _materialized_counts(model)
+    tied_ok = True
+    if case == "tied":
+        with model.summon_full_params():
+            tied_ok = model.module.head.weight is model.module.emb.weight
+    if use_reset:
+        sd = model.state_dict()
+        finite = all(torch.isfinite(v).all().item() for v in sd.values())
+        return {
+            "counts": counts,
+            "finite": finite,
+            "tied": tied_ok,
+            "sd": {k: v.tolist() for k, v in sd.items()},
+        }
+    diffs = compare_training(
+        ref,
+        model,
+        (lambda g, n: torch.randint(0, 11, (n, 5), generator=g))
+        if case == "tied"
+        else (lambda g, n: torch.randn(n, 6, generator=g)),
+        lambda y: y.pow(2).mean(),
+    )
+    return {"counts": counts, "diff": max(diffs.values()), "tied": tied_ok}
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("case", ["nested", "tied"])
+def test_meta_model_trains_like_the_eagerly_built_one(pool: RankPool, case: str) -> None:
+    for r in pool.run(_deferred, case, False):
+        assert r["counts"]["meta"] == 0, "every flat parameter is real after wrapping"
+        assert r["diff"] <= 1e-5, r
+        assert r["tied"], "a tied weight stays one tensor"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_meta_model_initialized_by_reset_parameters(pool: RankPool) -> None:
+    results = pool.run(_deferred, "tied", True)
+    for r in results:
+        assert r["counts"]["meta"] == 0 and r["finite"] and r["tied"]
+    assert results[0]["sd"] == results[1]["sd"], "ranks seeded alike materialize identical values"
+
+
+class _Big(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(256, 256) for _ in range(6)])
+        self.head = nn.Linear(256, 4)
+
+
+def _sharded_on_creation() -> dict[str, object]:
+    world = dist.get_world_size()
+    with torch.device("meta"):
+        model = _Big()
+    total = sum(p.numel() for p in model.parameters())
+    real_during: list[int] = []
+
+    def make(block: nn.Module) -> FSDP:
+        wrapped = FSDP(block, param_init_fn=_init)
+        # after each unit: only shards of the units built so far are real, everything else is meta
+        real_during.append(sum(p.numel() for p in model.parameters() if not p.is_meta))
+        return wrapped
+
+    for i in range(len(model.blocks)):
+        model.blocks[i] = make(model.blocks[i])
+    root = FSDP(model, param_init_fn=_init)
+    local = sum(p.numel() for p in root.parameters())
+    return {"total": total, "local": local, "world": world, "real_during": real_during}
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_no_rank_materializes_more_than_its_shards(pool: RankPool) -> None:
+    unit = 256 * 256 + 256
+    for r in pool.run(_sharded_on_creation):
+        n = r["world"]
+        assert r["local"] <= r["total"] / n + 8 * n, "each rank keeps 1/N of every unit"
+        for k, real in enumerate(r["real_during"], start=1):
+            assert real <= k * (-(-unit // n)), f"after {k} units only their shards are real: {real}"
+
+
+def _errors() -> list[str]:
+    out = []
+
+    class NoReset(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3))
+
+    with torch.device("meta"):
+        m = NoReset()
+    try:
+        FSDP(m)
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        FSDP(nn.Linear(2, 2), param_init_fn=_init)
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_deferred_init_errors_say_what_to_do(pool: RankPool) -> None:
+    (msgs,) = pool.run(_errors)
+    assert len(msgs) == 2
+    assert "has no reset_parameters(); pass param_init_fn" in msgs[0]
+    assert "no meta parameters or buffers; drop param_init_fn" in msgs[1]
