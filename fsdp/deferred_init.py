@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["has_meta_tensors", "materialize_"]
+__all__ = ["has_meta_tensors", "materialize_", "materialize_if_meta_"]
 
 
 def has_meta_tensors(owned: list[tuple[str, nn.Parameter]], modules: dict[str, nn.Module]) -> bool:
@@ -76,3 +76,23 @@ def materialize_(
         for module, param_name in names_of.get(old_id, []):
             if module._parameters.get(param_name) is not new:
                 module._parameters[param_name] = new
+
+
+def materialize_if_meta_(
+    module: nn.Module,
+    owned: list[tuple[str, nn.Parameter]],
+    modules: dict[str, nn.Module],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> bool:
+    """Materialize the unit when it is on the meta device (see :func:`has_meta_tensors`); return
+    whether it was. ``param_init_fn`` for a unit that is not on the meta device is an error."""
+    if has_meta_tensors(owned, modules):
+        materialize_(owned, modules, device, param_init_fn)
+        return True
+    if param_init_fn is not None:
+        raise ValueError(
+            "FullyShardedDataParallel: param_init_fn initializes modules built on the meta device, but "
+            f"{type(module).__name__} has no meta parameters or buffers; drop param_init_fn"
+        )
+    return False

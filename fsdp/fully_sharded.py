@@ -54,7 +54,7 @@ from fsdp.consistency import (
     plain_name,
     wrapper_path,
 )
-from fsdp.deferred_init import has_meta_tensors, materialize_
+from fsdp.deferred_init import materialize_if_meta_
 from fsdp.flat_param import check_not_owned_by_inner, collect_owned, group_params
 from fsdp.handle import FlatParamHandle, clip_grad_norm_, make_no_shard_bucketer
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
@@ -180,17 +180,9 @@ class FullyShardedDataParallel(nn.Module):
         is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         owned, module_of, inner = collect_owned(module, is_wrapper)
         check_not_owned_by_inner(owned, inner)
-        if has_meta_tensors(owned, module_of):  # deferred init: materialize this unit only
-            target = (
-                torch.device(compute_device) if compute_device is not None else default_compute_device(set())
-            )
-            materialize_(owned, module_of, target, param_init_fn)
+        target = torch.device(compute_device) if compute_device is not None else default_compute_device(set())
+        if materialize_if_meta_(module, owned, module_of, target, param_init_fn):  # deferred init
             owned, module_of, inner = collect_owned(module, is_wrapper)
-        elif param_init_fn is not None:
-            raise ValueError(
-                "FullyShardedDataParallel: param_init_fn initializes modules built on the meta device, but "
-                f"{type(module).__name__} has no meta parameters or buffers; drop param_init_fn"
-            )
         devices = {p.device for _, p in owned}
         if len(devices) > 1:
             raise ValueError(
