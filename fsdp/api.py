@@ -22,6 +22,7 @@ __all__ = [
     "OffloadConfig",
     "PrecisionConfig",
     "ProcessGroupName",
+    "ScheduleConfig",
     "ShardingConfig",
     "ShardingStrategy",
     "StateDictConfig",
@@ -241,6 +242,28 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class ScheduleConfig:
+    """When all-gathers are launched (the root's values govern the whole tree).
+
+    ``backward_prefetch``: when a unit's backward starts, launch the all-gather of the unit whose
+    backward comes next, so it overlaps this unit's gradient computation.
+    ``forward_prefetch``: likewise in forward, following the order recorded in the first iteration
+    (if a later iteration runs units in another order, forward prefetch stops, with a warning).
+    ``limit_all_gathers``: on CUDA, the host waits before gathering a unit while two freed units'
+    compute has not finished, so a fast host cannot run ahead and hold many full units; on CPU the
+    host runs in step with the computation and it changes nothing.
+    """
+
+    backward_prefetch: bool = True
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("backward_prefetch", "forward_prefetch", "limit_all_gathers"):
+            _check_bool(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
 class FSDPConfig:
     """Everything a wrapper was configured with, validated once at construction."""
 
@@ -250,6 +273,7 @@ class FSDPConfig:
     state_dict: StateDictConfig
     compute_device: torch.device
     offload: OffloadConfig = OffloadConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
     no_broadcast_optim_state: bool = False
     allow_reset_parameters: bool = False
     verbose: bool = False

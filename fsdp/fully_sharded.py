@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
+from torch.profiler import record_function
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
@@ -39,6 +39,7 @@ from fsdp.api import (
     MixedPrecision,
     OffloadConfig,
     ProcessGroupName,
+    ScheduleConfig,
     ShardingConfig,
     ShardingStrategy,
     StateDictConfig,
@@ -51,7 +52,6 @@ from fsdp.consistency import (
     WRAPPED,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
-    plain_name,
     wrapper_path,
 )
 from fsdp.deferred_init import materialize_if_meta_
@@ -59,6 +59,7 @@ from fsdp.flat_param import check_not_owned_by_inner, collect_owned, group_param
 from fsdp.handle import FlatParamHandle, clip_grad_norm_, make_no_shard_bucketer
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
+from fsdp.schedule import Scheduler
 from fsdp.topology import reduce_scatter_group, resolve_groups, resolve_strategy
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
@@ -76,6 +77,7 @@ class _RootContext:
     sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
     bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
     bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
+    scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -85,6 +87,7 @@ class _RootContext:
         self.sync = True
         self.bucketer = None
         self.bucket_index = {}
+        self.scheduler = Scheduler(wrappers[0].config.schedule, device)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -152,6 +155,9 @@ class FullyShardedDataParallel(nn.Module):
         allow_reset_parameters: bool = False,
         sharding_strategy: ShardingStrategy | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        backward_prefetch: bool = True,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -226,6 +232,7 @@ class FullyShardedDataParallel(nn.Module):
             ),
             compute_device=device,
             offload=offload,
+            schedule=ScheduleConfig(backward_prefetch, forward_prefetch, limit_all_gathers),
             no_broadcast_optim_state=bool(no_broadcast_optim_state),
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
@@ -410,11 +417,19 @@ class FullyShardedDataParallel(nn.Module):
         if precision.force_input_to_fp32:
             for low in (torch.float16, torch.bfloat16):
                 args, kwargs = cast_inputs((args, kwargs), low, torch.float32, detach=False)
-        with self._state(TrainingState.FORWARD):
+        scheduler = self._ctx.scheduler
+        if self._is_root:
+            scheduler.start_iteration()
+        with self._state(TrainingState.FORWARD), record_function("FSDP::forward"):
             try:
-                for h in self.handles:
-                    h.unshard()
-                    h.use_full_views(as_parameters=False)
+                with record_function("FSDP::all_gather"):
+                    scheduler.throttle()
+                    for h in self.handles:
+                        h.prefetch()
+                    scheduler.on_forward(self)  # See [Note: prefetch]
+                    for h in self.handles:
+                        h.unshard()
+                        h.use_full_views(as_parameters=False)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
@@ -422,6 +437,8 @@ class FullyShardedDataParallel(nn.Module):
                 keep_full = grad_enabled and (not self._reshard_after_forward or not self._ctx.sync)
                 for h in self.handles:
                     h.reshard(free_full=not keep_full)
+                if not keep_full and self.handles:
+                    scheduler.freed()
             if grad_enabled:
                 self._register_pre_backward_hooks(outputs)
         if precision.clear_autocast_cache:
@@ -481,14 +498,17 @@ class FullyShardedDataParallel(nn.Module):
             return grad
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
         self.training_state = TrainingState.BACKWARD_PRE
+        self._pre_backward_done = True
         # Views with autograd history, for a forward recomputed inside this backward (activation
         # checkpointing inside the wrapper reads the module's attributes again).
-        with torch.enable_grad():
+        with torch.enable_grad(), record_function("FSDP::pre_backward"):
+            for h in self.handles:
+                h.prefetch()
+            ctx.scheduler.on_backward(self)  # the next unit's gather overlaps this backward
             for h in self.handles:
                 h.unshard()
                 h.prepare_gradient_for_backward()
                 h.use_full_views(as_parameters=False)
-        self._pre_backward_done = True
         return grad
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
@@ -503,7 +523,9 @@ class FullyShardedDataParallel(nn.Module):
             ctx = self._ctx
             assert ctx is not None
             index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
-            handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            with record_function("FSDP::post_backward"):
+                handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            ctx.scheduler.freed()
             if index is not None:
                 assert ctx.bucketer is not None
                 ctx.bucketer.grad_ready(index)
@@ -516,6 +538,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def _finalize_backward(self) -> None:
         """End-of-backward callback (queued once per backward). Runs on the root."""
+        with record_function("FSDP::finalize_backward"):
+            self._finalize_backward_body()
+
+    def _finalize_backward_body(self) -> None:
         ctx = self._ctx
         assert ctx is not None
         ctx.callback_queued = False
@@ -690,36 +716,7 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
             )
         with self.summon_full_params(recurse=True, volatile=False):
-            to_internal = {plain_name(name): name for name, _ in self.named_modules()}
-
-            def internal(key: str) -> str:
-                module_name, _, leaf = key.rpartition(".")
-                mapped = to_internal.get(module_name)
-                if mapped is None:
-                    return key
-                return f"{mapped}.{leaf}" if mapped else leaf
-
-            renamed: OrderedDict[str, Any] = OrderedDict((internal(k), v) for k, v in state_dict.items())
-            metadata = getattr(state_dict, "_metadata", None)
-            if metadata is not None:
-                renamed._metadata = OrderedDict(  # type: ignore[attr-defined]
-                    (to_internal.get(k, k), v) for k, v in metadata.items()
-                )
-            result = super().load_state_dict(renamed, strict=False)
-        missing = [plain_name(k) for k in result.missing_keys]
-        unexpected = [plain_name(k) for k in result.unexpected_keys]
-        if strict and (missing or unexpected):
-            parts = []
-            if unexpected:
-                parts.append(
-                    "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + "."
-                )
-            if missing:
-                parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t" + "\n\t".join(parts)
-            )
-        return _IncompatibleKeys(missing, unexpected)
+            return sd_impl.load_full_state_dict(self, state_dict, strict)
 
     # ------------------------------------------------------------------ gradient accumulation and clipping
     @contextlib.contextmanager

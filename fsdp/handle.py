@@ -104,6 +104,7 @@ class FlatParamHandle:
     _full_version: int  # flat_param._version when _full was last known valid
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # in-flight reduction of this backward
+    _gathering: tuple[torch.Tensor, Pending] | None  # (target buffer, in-flight all-gather) after prefetch()
     _all_reduce_after: bool  # HYBRID_SHARD: all-reduce the reduced shard across replicas when it is ready
     _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
     _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
@@ -163,6 +164,7 @@ class FlatParamHandle:
         self._full_version = -1
         self._saved_grad_shard = None
         self._pending = None
+        self._gathering = None
         self._all_reduce_after = False
         self._grad_acc = None
         self._bucketed = False
@@ -204,12 +206,33 @@ class FlatParamHandle:
         the all-gather moves compute-dtype bytes; the gather is skipped when the full buffer still
         holds the current shard's values (kept after a forward with ``reshard_after_forward=False``
         and not invalidated by an in-place update since). With ``full_precision`` (summon, state
-        dict) the master shards are gathered instead.
+        dict) the master shards are gathered instead. Finishes a gather started by :meth:`prefetch`.
         """
         if self.state is MemoryState.UNSHARDED:
             assert not (full_precision and self.mixed and self._active is self._full), (
                 "unsharded in compute dtype"
             )
+            return
+        self.prefetch(full_precision)
+        assert self._gathering is not None
+        buf, pending = self._gathering
+        self._gathering = None
+        pending.wait()
+        if self._lp_shard is not None:
+            _free_storage(self._lp_shard)
+        if buf is self._full:
+            self._full_valid = True
+        self._active = buf
+        self.flat_param.data = buf
+        self.state = MemoryState.UNSHARDED
+
+    def prefetch(self, full_precision: bool = False) -> None:
+        """Launch the all-gather of :meth:`unshard` without waiting for it. Collective.
+
+        The full buffer is allocated now; the gather runs in the background (gloo's worker thread,
+        NCCL's stream) while the caller computes, and :meth:`unshard` waits for it.
+        """
+        if self.state is MemoryState.UNSHARDED or self._gathering is not None:
             return
         self._adopt_user_data()
         if full_precision and self._full_precision is not None:
@@ -217,34 +240,34 @@ class FlatParamHandle:
             _alloc_storage(buf)
             if self.spec.world_size == 1:
                 buf.copy_(self._shard)
+                pending = Pending(None, buf)
             else:
                 source = self._shard.to(buf.device)  # a device copy when the shard is offloaded
-                all_gather(buf, source, self.comm.process_group, self.stats).wait()
+                pending = all_gather(buf, source, self.comm.process_group, self.stats)
         else:
             buf = self._full
-            if not self.aliased and not (self._full_valid and self._full_version == self.flat_param._version):
+            if self.aliased or (self._full_valid and self._full_version == self.flat_param._version):
+                pending = Pending(None, buf)
+            else:
                 _alloc_storage(buf)
-                self._gather_compute_(buf)
-            self._full_valid = True
-        self._active = buf
-        self.flat_param.data = buf
-        self.state = MemoryState.UNSHARDED
+                pending = self._gather_compute_(buf)
+        self._gathering = (buf, pending)
 
-    def _gather_compute_(self, buf: torch.Tensor) -> None:
+    def _gather_compute_(self, buf: torch.Tensor) -> Pending:
         if self._lp_shard is None:
-            all_gather(buf, self._shard, self.comm.process_group, self.stats).wait()
-            return
+            return all_gather(buf, self._shard, self.comm.process_group, self.stats)
         if self.spec.world_size == 1:
             buf.copy_(self._shard)  # cast and/or host-to-device copy
-            return
+            return Pending(None, buf)
         _alloc_storage(self._lp_shard)
         # cast before the all-gather (half the bytes on the wire), and/or copy the offloaded shard in
         self._lp_shard.copy_(self._shard)
-        all_gather(buf, self._lp_shard, self.comm.process_group, self.stats).wait()
-        _free_storage(self._lp_shard)
+        return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
 
     def reshard(self, free_full: bool = True) -> None:
         """Point ``flat_param.data`` back at the shard; free the full buffer unless told to keep it."""
+        if self._gathering is not None:  # prefetched but never used: let the gather land first
+            self.unshard()
         if self.state is MemoryState.SHARDED:
             if free_full:
                 self._free_full()

@@ -33,14 +33,17 @@ shapes, row-sharded DTensors), so its checkpoints and ours load into each other.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fsdp.consistency import plain_name
 from fsdp.handle import FlatParamHandle
 
 # The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
@@ -413,3 +416,38 @@ def load_sharded_state_dict(layout: Layout, state: Mapping[str, Any], strict: bo
         plan.digest,
     )
     return apply_sharded_state_dict(layout, plan)
+
+
+def load_full_state_dict(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
+    """Load a full state dict with the unwrapped module's keys into a wrapper tree whose full
+    parameters are shown (inside ``summon_full_params``); report keys under their plain names.
+
+    Plain names are mapped onto the tree's internal module names (which contain the wrappers'
+    ``_fsdp_wrapped_module``), then ``nn.Module.load_state_dict`` does the loading.
+    """
+    to_internal = {plain_name(name): name for name, _ in root.named_modules()}
+
+    def internal(key: str) -> str:
+        module_name, _, leaf = key.rpartition(".")
+        mapped = to_internal.get(module_name)
+        if mapped is None:
+            return key
+        return f"{mapped}.{leaf}" if mapped else leaf
+
+    renamed: OrderedDict[str, Any] = OrderedDict((internal(k), v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        renamed._metadata = OrderedDict((to_internal.get(k, k), v) for k, v in metadata.items())  # type: ignore[attr-defined]
+    result = nn.Module.load_state_dict(root, renamed, strict=False)
+    missing = [plain_name(k) for k in result.missing_keys]
+    unexpected = [plain_name(k) for k in result.unexpected_keys]
+    if strict and (missing or unexpected):
+        parts = []
+        if unexpected:
+            parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+        if missing:
+            parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(parts)
+        )
+    return _IncompatibleKeys(missing, unexpected)

@@ -58,7 +58,13 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
     ours, theirs = _params(FullyShardedDataParallel.__init__), _params(FairscaleFSDP.__init__)
     # fairscale's arguments first, in order; ours adds torch-FSDP style ones after them
     assert [n for n, _ in ours][: len(theirs)] == [n for n, _ in theirs]
-    assert [n for n, _ in ours][len(theirs) :] == ["sharding_strategy", "param_init_fn"]
+    assert [n for n, _ in ours][len(theirs) :] == [
+        "sharding_strategy",
+        "param_init_fn",
+        "backward_prefetch",
+        "forward_prefetch",
+        "limit_all_gathers",
+    ]
     for (name, default), (_, ref_default) in zip(ours, theirs):
         if name == "process_group_reduce_scatter":
             assert default.value == ref_default.value == "reduce_scatter"

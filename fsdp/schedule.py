@@ -1,0 +1,104 @@
+"""When all-gathers are launched: the order units run in, prefetching, and the all-gather limiter.
+
+[Note: prefetch]
+Each iteration starts at the root's forward; every unit's forward is appended to ``order``.
+
+- Backward prefetch: when unit U's backward starts (its pre-backward hook), the unit whose backward
+  comes next is the most recent unit in this iteration's forward order that has not started its
+  backward yet (the root's hook fires first; then units run backward in reverse forward order). Its
+  all-gather is launched right away and overlaps U's gradient computation. It uses this
+  iteration's own order, so it can never be stale.
+- Forward prefetch (opt-in): when unit U's forward starts, the unit after it in the order recorded
+  in the first iteration is gathered. If a later iteration runs units in another order, forward
+  prefetch stops, with one warning.
+
+Prefetch decisions depend only on the order units run in, which is the same on every rank, so
+every rank launches the same all-gathers in the same order. A prefetched unit whose backward never
+comes is waited for and freed at the end of backward. At most one unit is prefetched ahead.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any
+
+from fsdp._device import DeviceHandle
+from fsdp.api import ScheduleConfig
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Owned by the root context; the units are wrappers (anything with ``handles`` and
+    ``_pre_backward_done``)."""
+
+    config: ScheduleConfig
+    device: DeviceHandle
+    order: list[Any]  # units in the order their forward ran in this iteration
+    recorded: list[Any] | None  # the first iteration's order (forward prefetch follows it)
+    forward_ok: bool  # forward prefetch still follows the recorded order
+    _free_events: collections.deque[Any]  # CUDA events recorded when units were freed (limiter)
+
+    def __init__(self, config: ScheduleConfig, device: DeviceHandle) -> None:
+        self.config = config
+        self.device = device
+        self.order = []
+        self.recorded = None
+        self.forward_ok = True
+        self._free_events = collections.deque()
+
+    def start_iteration(self) -> None:
+        """The root's forward begins: check and reset the order."""
+        if self.order:
+            if self.recorded is None:
+                self.recorded = list(self.order)
+            elif self.forward_ok and self.config.forward_prefetch and self.order != self.recorded:
+                self.forward_ok = False
+                warnings.warn(
+                    "FullyShardedDataParallel: this iteration ran the wrapped units in a different order than "
+                    "the first one, so forward prefetch is disabled from now on (results are not affected)",
+                    stacklevel=3,
+                )
+        self.order = []
+
+    def on_forward(self, unit: Any) -> None:
+        """``unit``'s forward begins (its own parameters are being gathered): record it, and with
+        forward prefetch launch the gather of the unit recorded after it."""
+        position = len(self.order)
+        self.order.append(unit)
+        if not (self.config.forward_prefetch and self.forward_ok and self.recorded is not None):
+            return
+        if position >= len(self.recorded) or self.recorded[position] is not unit:
+            return  # the mismatch is reported once at the start of the next iteration
+        if position + 1 < len(self.recorded):
+            nxt = self.recorded[position + 1]
+            if nxt is not unit:
+                self.prefetch(nxt)
+
+    def on_backward(self, unit: Any) -> None:
+        """``unit``'s backward begins: launch the gather of the unit whose backward comes next."""
+        if not self.config.backward_prefetch:
+            return
+        for candidate in reversed(self.order):
+            if candidate is not unit and not candidate._pre_backward_done:
+                self.prefetch(candidate)
+                return
+
+    def prefetch(self, unit: Any) -> None:
+        self.throttle()
+        for h in unit.handles:
+            h.prefetch()
+
+    def throttle(self) -> None:
+        """Before a gather: with the limiter on, wait until the compute before the second-to-last free
+        has finished (CUDA; nothing to wait for on CPU, where no events are recorded)."""
+        if self.config.limit_all_gathers and len(self._free_events) >= 2:
+            self.device.synchronize_event(self._free_events.popleft())
+
+    def freed(self) -> None:
+        """A unit's full parameters were just freed (in stream order)."""
+        if self.config.limit_all_gathers:
+            event = self.device.record_event(self.device.current_stream())
+            if event is not None:
+                self._free_events.append(event)

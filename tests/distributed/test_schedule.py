@@ -1,0 +1,155 @@
+"""Prefetching launches the next unit's all-gather early; profiler ranges name the phases."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp.handle
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.models import CASES, build, wrap
+from tests.parity import compare_training
+from tests.rank_pool import RankPool
+
+
+class _Chain(nn.Module):
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+        return self.c(torch.tanh(second(torch.tanh(first(x)))))
+
+
+def _events(schedule: dict[str, bool]) -> list[list[str]]:
+    """The order of all-gather launches, module forwards and gradient reductions, per iteration."""
+    torch.manual_seed(0)
+    net = _Chain()
+    for name in ("a", "b", "c"):
+        setattr(net, name, FSDP(getattr(net, name), **schedule))
+    model = FSDP(net, **schedule)
+    names = {id(h): n for n in ("a", "b", "c") for h in getattr(net, n).handles}
+    log: list[str] = []
+    real_gather, real_reduce = fsdp.handle.all_gather, fsdp.handle.reduce_scatter
+
+    def gather(out: torch.Tensor, shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        owner = next((n for hid, n in names.items() if _handle(hid)._full is out), "root")
+        log.append(f"gather:{owner}")
+        return real_gather(out, shard, *args, **kwargs)
+
+    def reduce(out: torch.Tensor, full: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        log.append("reduce")
+        return real_reduce(out, full, *args, **kwargs)
+
+    handles = {id(h): h for w in (net.a, net.b, net.c) for h in w.handles}
+
+    def _handle(hid: int) -> Any:
+        return handles[hid]
+
+    for n in ("a", "b", "c"):
+        getattr(net, n).module.register_forward_hook(lambda m, i, o, n=n: log.append(f"forward:{n}"))
+    fsdp.handle.all_gather, fsdp.handle.reduce_scatter = gather, reduce
+    runs = []
+    try:
+        for _ in range(2):
+            log.clear()
+            model(torch.randn(2, 8)).sum().backward()
+            runs.append(list(log))
+    finally:
+        fsdp.handle.all_gather, fsdp.handle.reduce_scatter = real_gather, real_reduce
+    return runs
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_backward_prefetch_gathers_the_next_unit_before_this_one_is_reduced(pool: RankPool) -> None:
+    on = pool.run(_events, {})[0][1]
+    off = pool.run(_events, {"backward_prefetch": False})[0][1]
+    for log in (on, off):
+        assert log.count("gather:b") == 2 and log.count("reduce") == 3, log  # the root owns nothing
+    # backward runs c, b, a. With prefetch b is gathered before c's gradient is reduced.
+    back_on = on[on.index("forward:c") :]
+    assert back_on.index("gather:b") < back_on.index("reduce"), back_on
+    back_off = off[off.index("forward:c") :]
+    assert back_off.index("gather:b") > back_off.index("reduce"), back_off
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_forward_prefetch_gathers_the_next_unit_during_this_ones_forward(pool: RankPool) -> None:
+    first, second = pool.run(_events, {"forward_prefetch": True})[0]
+    # the first iteration records the order; from the second, b's gather precedes a's forward
+    assert first.index("gather:b") > first.index("forward:a"), first
+    assert second.index("gather:b") < second.index("forward:a"), second
+
+
+def _order_change() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = _Chain()
+    net = copy.deepcopy(ref)
+    for name in ("a", "b", "c"):
+        setattr(net, name, FSDP(getattr(net, name), forward_prefetch=True))
+    model = FSDP(net, forward_prefetch=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diffs = []
+        for step in range(4):
+            ref.swap = net.swap = step >= 2  # units run in another order from the third iteration
+            diffs.append(
+                compare_training(
+                    ref,
+                    model,
+                    lambda g, n: torch.randn(n, 8, generator=g),
+                    lambda y: y.pow(2).mean(),
+                    steps=1,
+                )
+            )
+    messages = [str(w.message) for w in caught if "forward prefetch is disabled" in str(w.message)]
+    return {"diff": max(max(d.values()) for d in diffs), "warnings": len(messages)}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_forward_prefetch_falls_back_with_one_warning_when_the_order_changes(pool: RankPool) -> None:
+    for r in pool.run(_order_change):
+        assert r["diff"] <= 1e-5 and r["warnings"] == 1, r
+
+
+def _profiled() -> list[str]:
+    model = wrap(build("nested"), CASES["nested"].wrap)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("FSDP::")})
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_profiler_ranges_name_every_phase(pool: RankPool) -> None:
+    names = pool.run(_profiled)[0]
+    for phase in ("forward", "all_gather", "pre_backward", "post_backward", "finalize_backward"):
+        assert f"FSDP::{phase}" in names, names
+
+
+def _parity(schedule: dict[str, bool], case: str) -> float:
+    spec = CASES[case]
+    ref = build(case)
+    model = wrap(copy.deepcopy(ref), spec.wrap, **schedule)
+    return max(compare_training(ref, model, spec.make_input, spec.loss, steps=3).values())
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize(
+    "schedule",
+    [{"forward_prefetch": True}, {"backward_prefetch": False}, {"limit_all_gathers": False}],
+    ids=lambda s: next(iter(s)),
+)
+@pytest.mark.parametrize("case", ["nested", "called_twice", "structured_outputs"])
+def test_parity_with_every_schedule(pool: RankPool, schedule: dict[str, bool], case: str) -> None:
+    assert max(pool.run(_parity, schedule, case)) <= 1e-5
