@@ -46,7 +46,7 @@ from fsdp.api import (
     TrainingState,
     default_gradient_predivide_factor,
 )
-from fsdp.buckets import GradBucketer
+from fsdp.buckets import GradBucketer, ReduceScatterBucketer
 from fsdp.collectives import CommStats
 from fsdp.consistency import (
     WRAPPED,
@@ -392,11 +392,13 @@ class FullyShardedDataParallel(nn.Module):
                     "forward: call forward on the outermost wrapper only (or do not nest it)"
                 )
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
+        rs_bucketer = ReduceScatterBucketer(int(self.config.comm.bucket_cap_mb * 2**20), ctx.stats)
         for w in wrappers:
             w._ctx = ctx
             w._is_root = w is self
             for h in w.handles:
                 h.stats = ctx.stats
+                h.rs_bucketer = rs_bucketer
         sharding = self.config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         check_same_wrappers_on_all_ranks(self, wrappers)

@@ -57,7 +57,7 @@ from torch import nn
 
 from fsdp._device import DeviceHandle
 from fsdp.api import CommConfig, MemoryState
-from fsdp.buckets import BucketConfig, GradBucketer
+from fsdp.buckets import BucketConfig, GradBucketer, ReduceScatterBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
     FlatParamMeta,
@@ -105,6 +105,7 @@ class FlatParamHandle:
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # in-flight reduction of this backward
     _gathering: tuple[torch.Tensor, Pending] | None  # (target buffer, in-flight all-gather) after prefetch()
+    rs_bucketer: ReduceScatterBucketer | None  # the root's reduce-scatter buckets (None: one collective each)
     _all_reduce_after: bool  # HYBRID_SHARD: all-reduce the reduced shard across replicas when it is ready
     _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
     _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
@@ -165,6 +166,7 @@ class FlatParamHandle:
         self._saved_grad_shard = None
         self._pending = None
         self._gathering = None
+        self.rs_bucketer = None
         self._all_reduce_after = False
         self._grad_acc = None
         self._bucketed = False
@@ -402,7 +404,11 @@ class FlatParamHandle:
         replicate = self.comm.replicate_group
         if self.spec.world_size > 1:
             out = torch.empty(self.spec.chunk, dtype=grad.dtype, device=grad.device)
-            self._pending = reduce_scatter(out, grad, self.comm.process_group_reduce_scatter, self.stats)
+            group = self.comm.process_group_reduce_scatter
+            if self.rs_bucketer is not None:  # small gradients share one collective
+                self._pending = self.rs_bucketer.reduce_scatter(out, grad, group)
+            else:
+                self._pending = reduce_scatter(out, grad, group, self.stats)
             self._all_reduce_after = replicate is not None  # HYBRID: then across replicas, at the end
         elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
             self._pending = all_reduce(grad, replicate, stats=self.stats)

@@ -289,11 +289,11 @@ def test_gradient_accumulation_across_backwards(pool: RankPool) -> None:
     assert max(pool.run(_grad_accumulation)) < 1e-5
 
 
-def _comm_counts() -> dict[str, object]:
+def _comm_counts(bucket_cap_mb: float = 25) -> dict[str, object]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 1))
     model[0], model[1] = FSDP(model[0]), FSDP(model[1])
-    root = FSDP(model)
+    root = FSDP(model, bucket_cap_mb=bucket_cap_mb)
     root(torch.randn(2, 5)).sum().backward()  # lazy init + warm-up
     root.reset_comm_stats()
     root(torch.randn(2, 5)).sum().backward()
@@ -305,10 +305,40 @@ def test_collectives_per_step(pool: RankPool) -> None:
     n = pool.world_size
     padded = -(-30 // n) * n  # each Linear(5, 5) has 30 elements
     root_padded = -(-6 // n) * n
-    for stats in pool.run(_comm_counts):
-        # inner units: gathered in forward and again in backward; the root keeps its params
-        assert stats["all_gather"]["calls"] == 2 + 2 + 1
-        assert stats["all_gather"]["numel"] == 4 * padded + root_padded
-        assert stats["reduce_scatter"]["calls"] == 3
-        assert stats["reduce_scatter"]["numel"] == 2 * padded + root_padded
-        assert stats["all_reduce"]["calls"] == 1, "one small consistency check per backward"
+    for cap, rs_calls in ((0, 3), (25, 1)):
+        for stats in pool.run(_comm_counts, cap):
+            # inner units: gathered in forward and again in backward; the root keeps its params
+            assert stats["all_gather"]["calls"] == 2 + 2 + 1
+            assert stats["all_gather"]["numel"] == 4 * padded + root_padded
+            # one reduce-scatter per flat parameter, or all three in one 25 MB bucket: same elements
+            assert stats["reduce_scatter"]["calls"] == rs_calls
+            assert stats["reduce_scatter"]["numel"] == 2 * padded + root_padded
+            assert stats["all_reduce"]["calls"] == 1, "one small consistency check per backward"
+
+
+def _bucketed(cap_bytes: int) -> dict[str, object]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)], nn.Linear(6, 1))
+    net = copy.deepcopy(ref)
+    for i in range(4):
+        net[i] = FSDP(net[i])
+    model = FSDP(net, bucket_cap_mb=cap_bytes / 2**20)
+    from tests.parity import compare_training
+
+    model.reset_comm_stats()
+    diffs = compare_training(
+        ref, model, lambda g, n: torch.randn(n, 6, generator=g), lambda y: y.pow(2).mean()
+    )
+    stats = model.comm_stats()["reduce_scatter"]
+    return {"diff": max(diffs.values()), "calls": stats["calls"], "rank": rank, "world": world}
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_reduce_scatter_buckets_follow_bucket_cap_mb(pool: RankPool) -> None:
+    n = pool.world_size
+    unit = -(-42 // n) * n * 4  # bytes of one padded Linear(6, 6) gradient
+    for cap, per_step in ((0, 5), (2 * unit, 3), (10**6, 1)):
+        for r in pool.run(_bucketed, cap):
+            assert r["diff"] <= 1e-5, (cap, r)
+            assert r["calls"] == 3 * per_step, (cap, r)  # three training steps
