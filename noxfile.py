@@ -6,6 +6,7 @@ resolves an unpinned torch (which would pull a multi-GB CUDA build onto CPU mach
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -63,6 +64,21 @@ def example(session: nox.Session) -> None:
     _install(session, "examples")
     session.run(
         "torchrun", "--standalone", "--nproc_per_node=2", "examples/train_gpt.py", "--max-iters", "20"
+    )
+
+
+@nox.session(python=PYTHON)
+def benchmark(session: nox.Session) -> None:
+    """benchmarks/peers.py: this library against torch FSDP2, torch DDP and no communication.
+
+    Two ranks by default; on a GPU machine run ``NPROC_PER_NODE=1 nox -s benchmark`` (world size 1,
+    adds fairscale's FSDP). Arguments after ``--`` go to the script (``--sizes``, ``--rounds``, ``--out``).
+    """
+    _install(session, "examples")
+    session.install("fairscale==0.4.13")  # the GPU run compares with it
+    nproc = os.environ.get("NPROC_PER_NODE", "2")
+    session.run(
+        "torchrun", "--standalone", f"--nproc_per_node={nproc}", "benchmarks/peers.py", *session.posargs
     )
 
 

@@ -585,6 +585,10 @@ class _RSItem(Pending):
         self.shared: Pending | None = None
         self.view: torch.Tensor | None = None
 
+    @property
+    def launched(self) -> bool:
+        return self.queue.launched
+
     def wait(self) -> torch.Tensor:
         self.queue.launch()
         assert self.shared is not None and self.view is not None

@@ -97,6 +97,11 @@ class Pending:
     output: torch.Tensor
     keep_alive: tuple[torch.Tensor, ...] = ()
 
+    @property
+    def launched(self) -> bool:
+        """The collective has been issued (a queued bucket is not, until it is sent)."""
+        return True
+
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()

@@ -16,6 +16,7 @@ See [Note: flat parameter data] in handle.py for what ``flat_param.data`` is in 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -56,7 +57,7 @@ from fsdp.consistency import (
 )
 from fsdp.deferred_init import materialize_if_meta_
 from fsdp.flat_param import check_not_owned_by_inner, collect_owned, group_params
-from fsdp.handle import FlatParamHandle, clip_grad_norm_, make_no_shard_bucketer
+from fsdp.handle import FlatParamHandle, clip_grad_norm_, finish_no_shard_buckets, make_no_shard_bucketer
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
@@ -78,6 +79,7 @@ class _RootContext:
     bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
     bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
+    in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -88,6 +90,7 @@ class _RootContext:
         self.bucketer = None
         self.bucket_index = {}
         self.scheduler = Scheduler(wrappers[0].config.schedule, device)
+        self.in_flight = collections.deque()
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -392,7 +395,8 @@ class FullyShardedDataParallel(nn.Module):
                     "forward: call forward on the outermost wrapper only (or do not nest it)"
                 )
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
-        rs_bucketer = ReduceScatterBucketer(int(self.config.comm.bucket_cap_mb * 2**20), ctx.stats)
+        cap = int(self.config.comm.bucket_cap_mb * 2**20)
+        rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
         for w in wrappers:
             w._ctx = ctx
             w._is_root = w is self
@@ -527,6 +531,12 @@ class FullyShardedDataParallel(nn.Module):
             index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
             with record_function("FSDP::post_backward"):
                 handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+                # Finish older reductions as backward goes on, freeing their full gradients now rather
+                # than at the end of backward: at most one sent reduction stays in flight.
+                if handle.reduction_pending:
+                    ctx.in_flight.append(handle)
+                while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
+                    ctx.in_flight.popleft().finalize_gradient()
             ctx.scheduler.freed()
             if index is not None:
                 assert ctx.bucketer is not None
@@ -551,7 +561,7 @@ class FullyShardedDataParallel(nn.Module):
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
                 check_same_reductions_on_all_ranks(self, ctx.wrappers)
                 if ctx.bucketer is not None:
-                    _finish_buckets(ctx)
+                    finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.finalize_gradient()
@@ -559,6 +569,7 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()
+            ctx.in_flight.clear()
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.reduced_this_backward = False
@@ -873,19 +884,6 @@ def _make_bucketer(root: FullyShardedDataParallel, ctx: _RootContext) -> None:
     ctx.bucketer, ctx.bucket_index = make_no_shard_bucketer(
         items, root.config.comm.bucket_cap_mb, ctx.device, ctx.stats
     )
-
-
-def _finish_buckets(ctx: _RootContext) -> None:
-    """Hand the bucket engine the flat parameters that got no gradient this backward (on every rank,
-    as the consistency check ensured), then wait for every bucket."""
-    bucketer = ctx.bucketer
-    assert bucketer is not None
-    for w in ctx.wrappers:
-        for h in w.handles:
-            index = ctx.bucket_index.get(id(h))
-            if index is not None and not h.reduced_this_backward:
-                bucketer.grad_ready(index)  # contributes zeros; a None gradient stays None
-    bucketer.finish_backward()
 
 
 def _put(destination: dict[str, Any], key: str, value: torch.Tensor | None) -> None:

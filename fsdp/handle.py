@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ from fsdp.flat_param import (
 )
 from fsdp.sharding import ShardSpec, shard_spec
 
-__all__ = ["FlatParamHandle", "clip_grad_norm_", "make_no_shard_bucketer"]
+__all__ = ["FlatParamHandle", "clip_grad_norm_", "finish_no_shard_buckets", "make_no_shard_bucketer"]
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -419,6 +420,16 @@ class FlatParamHandle:
         self.reduced_this_backward = True
         self.reshard(free_full=True)
 
+    @property
+    def reduction_pending(self) -> bool:
+        """A reduction of this backward waits to be finished (sent or queued in a bucket)."""
+        return self._pending is not None
+
+    @property
+    def reduction_launched(self) -> bool:
+        """A reduction of this backward is in flight (sent, not yet waited for)."""
+        return self._pending is not None and self._pending.launched
+
     def finalize_gradient(self) -> None:
         """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""
         if self._bucketed:  # reduced (and averaged) in place by the bucket engine
@@ -526,3 +537,14 @@ def make_no_shard_bucketer(
         stats=stats,
     )
     return bucketer, {id(h): i for i, (_, h) in enumerate(chosen)}
+
+
+def finish_no_shard_buckets(bucketer: GradBucketer, index: dict[int, int], units: Sequence[Any]) -> None:
+    """Hand the bucket engine the flat parameters that got no gradient this backward (on every rank,
+    as the end-of-backward consistency check ensured), then wait for every bucket."""
+    for unit in units:
+        for h in unit.handles:
+            i = index.get(id(h))
+            if i is not None and not h.reduced_this_backward:
+                bucketer.grad_ready(i)  # contributes zeros; a None gradient stays None
+    bucketer.finish_backward()

@@ -34,6 +34,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
     """The order of all-gather launches, module forwards and gradient reductions, per iteration."""
     torch.manual_seed(0)
     net = _Chain()
+    schedule = {**schedule, "bucket_cap_mb": 0}  # one reduce-scatter per unit, visible to the log
     for name in ("a", "b", "c"):
         setattr(net, name, FSDP(getattr(net, name), **schedule))
     model = FSDP(net, **schedule)
