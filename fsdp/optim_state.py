@@ -99,6 +99,18 @@ def _flat_state_kinds(handle: FlatParamHandle, state: Mapping[str, Any]) -> dict
     return kinds
 
 
+def _agreed_structure(layout: Layout, optim: torch.optim.Optimizer, what: str) -> list[list[FlatParamHandle]]:
+    """:func:`_structure`, with every rank agreeing that it succeeded and matches (else all raise)."""
+    error, shape = None, None
+    groups: list[list[FlatParamHandle]] = []
+    try:
+        groups, shape = _structure(layout, optim)
+    except (ValueError, NotImplementedError) as e:
+        error = str(e)
+    agree(layout, error, what, digest_of(shape))
+    return groups
+
+
 def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[FlatParamHandle]], list[Any]]:
     """The optimizer's groups over handles, and a description every rank must share (checked by :func:`agree`)."""
     for unit in layout.units:
@@ -153,13 +165,7 @@ def gather_full_optim_state_dict(
     if not 0 <= recipient_rank < layout.world_size:
         raise ValueError(f"recipient_rank must be in [0, {layout.world_size}), got {recipient_rank}")
     device = device if device is not None else torch.device("cpu")
-    error, shape = None, None
-    groups: list[list[FlatParamHandle]] = []
-    try:
-        groups, shape = _structure(layout, optim)
-    except (ValueError, NotImplementedError) as e:
-        error = str(e)
-    agree(layout, error, "gather_full_optim_state_dict", digest_of(shape))
+    groups = _agreed_structure(layout, optim, "gather_full_optim_state_dict")
     keep = layout.rank == recipient_rank
     ordered = _plain_order(layout, groups)
     ids = {slot.name: i for i, slot in enumerate(s for group in ordered for s in group)}
@@ -336,13 +342,7 @@ def get_shard_from_optim_state_dict(
 # ---------------------------------------------------------------------- sharded (DCP) optimizer state
 def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state keyed by parameter name, per-element state as row-sharded DTensors. Collective."""
-    error, shape = None, None
-    groups: list[list[FlatParamHandle]] = []
-    try:
-        groups, shape = _structure(layout, optim)
-    except (ValueError, NotImplementedError) as e:
-        error = str(e)
-    agree(layout, error, "sharded_optim_state_dict", digest_of(shape))
+    groups = _agreed_structure(layout, optim, "sharded_optim_state_dict")
     mesh = layout.mesh()
     per_name: dict[str, dict[str, Any]] = {}
     for handles in groups:
