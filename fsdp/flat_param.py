@@ -132,8 +132,16 @@ def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten_views(flat: torch.Tensor, meta: FlatParamMeta) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like the original parameters (autograd-tracked if ``flat`` is)."""
-    return [flat.narrow(0, p.offset, p.numel).view(p.shape) for p in meta.params]
+    """Views of ``flat`` shaped like the original parameters (autograd-tracked if ``flat`` is).
+
+    ``flat`` may extend past ``meta.numel`` (padding). One ``split`` rather than one ``narrow`` per
+    parameter: the backward of a split concatenates the gradients once, whereas each narrow's
+    backward would allocate and zero-fill a tensor the size of the whole flat parameter.
+    """
+    sizes = [p.numel for p in meta.params]
+    rest = flat.numel() - meta.numel
+    parts = torch.split(flat, [*sizes, rest] if rest else sizes)
+    return [part.view(p.shape) for part, p in zip(parts, meta.params)]
 
 
 def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_parameter: bool) -> None:

@@ -323,7 +323,7 @@ class FlatParamHandle:
         ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
         """
         assert self.state is MemoryState.UNSHARDED
-        source = self._active[: self.meta.numel] if as_parameters else self.flat_param[: self.meta.numel]
+        source = self._active if as_parameters else self.flat_param
         views = unflatten_views(source, self.meta)
         for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
             if as_parameters:
