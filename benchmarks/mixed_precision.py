@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import statistics
 import sys
@@ -26,15 +25,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _example import load_example  # noqa: E402
+
 from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
-
-
-def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _wrap(model: torch.nn.Module, **precision: Any) -> FSDP:
@@ -56,7 +50,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    example = _load_example()
+    example = load_example()
     vocab = 101
     torch.manual_seed(0)
     base = example.GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)

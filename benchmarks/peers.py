@@ -62,6 +62,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _example import load_example  # noqa: E402
+
 from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from fsdp import ShardingStrategy, get_fsdp_instances  # noqa: E402
 
@@ -118,14 +121,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=str, default="out/peers")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     return p.parse_args()
-
-
-def load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import copy
 import gc
-import importlib.util
 import json
 import statistics
 import sys
@@ -57,6 +56,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _example import load_example  # noqa: E402
+
 from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from fsdp import get_fsdp_instances  # noqa: E402
 from fsdp.sharding import chunk_numel, padded_numel  # noqa: E402
@@ -81,15 +83,6 @@ MODELS = {
     "7b": GPTConfig(n_layer=32, n_embd=4096, n_head=32, vocab=32000, block_size=2048),
     "quick": GPTConfig(n_layer=3, n_embd=36, n_head=4, vocab=97, block_size=16),  # sizes that need padding,
 }
-
-
-def load_example() -> Any:
-    """examples/train_gpt.py as a module (its ``GPT``), without running it."""
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------------------------------ worlds
