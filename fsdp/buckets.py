@@ -492,13 +492,23 @@ class GradBucketer:
         return bool(torch.cat(flags).ne(0).any().item()) if flags else False
 
 
+# A gradient this large is reduce-scattered on its own even when it would fit a bucket. Measured with
+# gloo at world size 2 on the development machine: a reduce-scatter costs about 1.5 ms per call plus
+# 1.5 ms per MiB, so from 1 MiB on the per-call cost is at most half of the total, while a
+# bucket costs a copy of the gradient and delays its reduction to the bucket's launch (docs/design.md).
+SMALL_GRADIENT_BYTES = 1 << 20
+
+
 class ReduceScatterBucketer:
     """Coalesces the reduce-scatters of small padded flat gradients into one collective per bucket.
 
-    A gradient of at least ``cap_bytes`` is reduce-scattered on its own, at once. Smaller ones are
-    queued per (dtype, device, group) and sent together once the queue reaches ``cap_bytes``, or when the first of them is waited on (the end of backward): fewer, larger
-    collectives for models with many small units. Every rank adds the same gradients in the same
-    order and waits in the same order, so every rank launches the same collectives.
+    Only *small* gradients are coalesced: those under ``min(cap_bytes, SMALL_GRADIENT_BYTES)``. They
+    are queued per (dtype, device, group) and sent together once the queue reaches ``cap_bytes``, or
+    when the first of them is waited on (the end of backward): fewer collectives for models with many
+    small units. Every other gradient is reduce-scattered on its own, at once, overlapping the rest
+    of backward: a collective of a MiB or more is bandwidth-bound, so a bucket would only add a copy
+    and hold the gradient back. Every rank adds the same gradients in the same order and waits in
+    the same order, so every rank launches the same collectives.
 
     Layout of a bucket of k gradients over N ranks (padded gradient i is N chunks of c_i)::
 
@@ -517,7 +527,7 @@ class ReduceScatterBucketer:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> Pending:
         """Like :func:`fsdp.collectives.reduce_scatter`, possibly deferred into a shared bucket."""
-        if self.cap_bytes == 0 or full.numel() * full.element_size() >= self.cap_bytes:
+        if full.numel() * full.element_size() >= min(self.cap_bytes, SMALL_GRADIENT_BYTES):
             return collectives.reduce_scatter(out, full, group, self.stats)
         key = (full.dtype, full.device, id(group))
         queue = self._queues.get(key)

@@ -342,3 +342,44 @@ def test_reduce_scatter_buckets_follow_bucket_cap_mb(pool: RankPool) -> None:
         for r in pool.run(_bucketed, cap):
             assert r["diff"] <= 1e-5, (cap, r)
             assert r["calls"] == 3 * per_step, (cap, r)  # three training steps
+
+
+def _large_and_small_gradients() -> list[int]:
+    from fsdp import collectives
+    from fsdp.buckets import SMALL_GRADIENT_BYTES
+
+    torch.manual_seed(0)
+    width = 520  # Linear(520, 520): 270,920 elements, over 1 MiB of fp32 gradient
+    assert (width * width + width) * 4 >= SMALL_GRADIENT_BYTES
+    net = nn.Sequential(
+        FSDP(nn.Linear(width, width)),
+        FSDP(nn.Linear(width, 4)),
+        FSDP(nn.Linear(4, 4)),
+        nn.Linear(4, width),
+        FSDP(nn.Linear(width, width)),
+    )
+    model = FSDP(net)  # default bucket_cap_mb=25: every gradient here would fit one bucket
+    sizes: list[int] = []
+    real = collectives._reduce_scatter_fn
+
+    def logged(output: torch.Tensor, full: torch.Tensor, **kwargs: object) -> object:
+        sizes.append(full.numel())
+        return real(output, full, **kwargs)
+
+    collectives._reduce_scatter_fn = logged
+    try:
+        model(torch.randn(3, width)).sum().backward()
+    finally:
+        collectives._reduce_scatter_fn = real
+    return sizes
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_large_gradients_skip_the_bucket(pool: RankPool) -> None:
+    # the two gradients of over 1 MiB are reduce-scattered on their own, each as soon as it is ready
+    # (in backward order); the three small ones (the root's and two units') share one bucket, sent
+    # when it is waited on at the end of backward
+    big = 520 * 520 + 520
+    small = (4 * 520 + 520) + (4 * 4 + 4) + (520 * 4 + 4)
+    for sizes in pool.run(_large_and_small_gradients):
+        assert sizes == [big, big, small], sizes
