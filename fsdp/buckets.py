@@ -525,10 +525,14 @@ class ReduceScatterBucketer:
         self.stats = stats
         self._queues = {}
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    def reduce_scatter(
+        self, out: torch.Tensor | None, full: torch.Tensor, group: dist.ProcessGroup
+    ) -> Pending:
         """Like :func:`fsdp.collectives.reduce_scatter`, possibly deferred into a shared bucket."""
         if full.numel() * full.element_size() >= min(self.cap_bytes, SMALL_GRADIENT_BYTES):
             return collectives.reduce_scatter(out, full, group, self.stats)
+        if out is None:
+            out = full.new_empty(full.numel() // dist.get_world_size(group))
         key = (full.dtype, full.device, id(group))
         queue = self._queues.get(key)
         if queue is None:
@@ -598,6 +602,9 @@ class _RSItem(Pending):
     @property
     def launched(self) -> bool:
         return self.queue.launched
+
+    def done(self) -> bool:
+        return self.queue.launched and self.shared is not None and self.shared.done()
 
     def wait(self) -> torch.Tensor:
         self.queue.launch()

@@ -96,16 +96,24 @@ class Pending:
     work: Any
     output: torch.Tensor
     keep_alive: tuple[torch.Tensor, ...] = ()
+    then: Callable[[], torch.Tensor] | None = None  # runs once inside wait(); returns the output
 
     @property
     def launched(self) -> bool:
         """The collective has been issued (a queued bucket is not, until it is sent)."""
         return True
 
+    def done(self) -> bool:
+        """The collective has finished (never blocks): ``wait()`` would return at once."""
+        return self.work is None or bool(self.work.is_completed())
+
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.then is not None:
+            self.output = self.then()
+            self.then = None
         self.keep_alive = ()
         return self.output
 
@@ -134,17 +142,41 @@ def all_gather(
 
 
 def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None
+    output: torch.Tensor | None,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats | None = None,
 ) -> Pending:
-    """Sum ``full`` over ranks and leave chunk ``rank`` of the sum in ``output``."""
+    """Sum ``full`` over ranks and leave chunk ``rank`` of the sum in ``output`` (``wait()``'s result).
+
+    ``full`` is consumed: its values are undefined afterwards. With ``output=None`` the chunk is
+    allocated when it is first needed. On the CPU the sum is an in-place all-reduce of ``full``, and
+    ``wait()`` copies this rank's chunk out (allocating it only then). gloo implements its
+    reduce-scatter as an all-reduce anyway (the same bytes on the wire), but of a full-size copy it
+    allocates and holds until the wait, and it never reports completion (``Pending.done()``); the
+    in-place all-reduce needs neither the copy nor the wait to free memory. Measured at world size 2,
+    12 MB: 8.5 to 11 ms against 12 to 16 ms for gloo's reduce-scatter.
+    """
     n = _size(group)
-    if full.numel() != n * output.numel() or output.dtype != full.dtype:
+    if (output is None and full.numel() % n) or (
+        output is not None and (full.numel() != n * output.numel() or output.dtype != full.dtype)
+    ):
+        what = "" if output is None else f"{tuple(output.shape)}/{output.dtype}"
         raise AssertionError(
-            f"reduce_scatter: input {tuple(full.shape)}/{full.dtype} is not {n} x "
-            f"{tuple(output.shape)}/{output.dtype}"
+            f"reduce_scatter: input {tuple(full.shape)}/{full.dtype} is not {n} x an output {what}"
         )
     if stats is not None:
         stats.record(CollectiveKind.REDUCE_SCATTER, full)
+    if full.device.type == "cpu" and n > 1:
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        mine = full.view(n, -1)[dist.get_rank(group)]
+
+        def copy_out() -> torch.Tensor:
+            return mine.clone() if output is None else output.copy_(mine.view_as(output))
+
+        return Pending(work, mine, (full,), then=copy_out)
+    if output is None:
+        output = full.new_empty(full.numel() // n)
     if n == 1:
         output.copy_(full.view_as(output))
         return Pending(None, output)

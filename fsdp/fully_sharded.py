@@ -92,6 +92,11 @@ class _RootContext:
         self.scheduler = Scheduler(wrappers[0].config.schedule, device)
         self.in_flight = collections.deque()
 
+    def finish_done_reductions(self, grad: torch.Tensor) -> None:
+        """Gradient hook on the parameter views. See [Note: finishing reductions early]."""
+        while self.in_flight and self.in_flight[0].reduction_done:
+            self.in_flight.popleft().finalize_gradient()
+
 
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters over a process group; gather them just in time for compute.
@@ -433,9 +438,12 @@ class FullyShardedDataParallel(nn.Module):
                     for h in self.handles:
                         h.prefetch()
                     scheduler.on_forward(self)  # See [Note: prefetch]
+                    poll = grad_enabled and self._ctx.sync  # See [Note: finishing reductions early]
                     for h in self.handles:
                         h.unshard()
-                        h.use_full_views(as_parameters=False)
+                        for view in h.use_full_views(as_parameters=False):
+                            if poll and view.requires_grad:
+                                view.register_hook(self._ctx.finish_done_reductions)  # type: ignore[no-untyped-call]
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the

@@ -35,6 +35,19 @@ full-shaped gradient into ``flat_param.grad``, which requires it to be None or f
 ``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
 accumulation across backward passes (without zero_grad) sums as in a plain model.
 
+[Note: finishing reductions early]
+A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
+for. The post-backward hook waits for the older ones once a newer one is sent, so one stays in
+flight while the next unit computes its gradients, and it would stay there through that unit's
+gradient peak (its parameters' gradients plus their concatenation into the flat gradient). The
+forward therefore hooks the gradient of every parameter view: each hook finishes, oldest first,
+the reductions that are already complete (``Pending.done()`` never blocks), freeing their inputs
+before the unit's flat gradient is built. (On the CPU the reduce-scatter is an in-place all-reduce,
+which, unlike gloo's reduce-scatter, reports completion; see ``fsdp.collectives.reduce_scatter``.)
+A reduction followed by an all-reduce across replicas (HYBRID_SHARD) is left for the post-backward
+hook: that all-reduce is a collective, and a hook that runs when a transfer happens to be done
+would issue it at a different moment on each rank.
+
 [Note: no_sync]
 Inside ``no_sync`` no collective runs after the first forward: each handle keeps its full
 parameter from forward to the next forward (its validity is tracked by ``flat_param._version``), and
@@ -316,8 +329,8 @@ class FlatParamHandle:
             self._full_valid = False  # the shard changed under the compute buffer's feet
 
     # ------------------------------------------------------------------ module attributes
-    def use_full_views(self, as_parameters: bool) -> None:
-        """Set the modules' attributes to views of the full parameter.
+    def use_full_views(self, as_parameters: bool) -> list[torch.Tensor]:
+        """Set the modules' attributes to views of the full parameter; return the views.
 
         In forward the views come from ``flat_param`` so autograd routes their gradients into
         ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
@@ -337,6 +350,7 @@ class FlatParamHandle:
                 getattr(primary, self.meta.params[sinfo.primary].param_name),
                 as_parameters,
             )
+        return views
 
     def remove_module_tensors(self) -> None:
         """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
@@ -404,12 +418,12 @@ class FlatParamHandle:
             grad.div_(self.comm.gradient_predivide_factor)
         replicate = self.comm.replicate_group
         if self.spec.world_size > 1:
-            out = torch.empty(self.spec.chunk, dtype=grad.dtype, device=grad.device)
             group = self.comm.process_group_reduce_scatter
+            # the reduced chunk is allocated when needed: on the CPU only once the sum is done
             if self.rs_bucketer is not None:  # small gradients share one collective
-                self._pending = self.rs_bucketer.reduce_scatter(out, grad, group)
+                self._pending = self.rs_bucketer.reduce_scatter(None, grad, group)
             else:
-                self._pending = reduce_scatter(out, grad, group, self.stats)
+                self._pending = reduce_scatter(None, grad, group, self.stats)
             self._all_reduce_after = replicate is not None  # HYBRID: then across replicas, at the end
         elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
             self._pending = all_reduce(grad, replicate, stats=self.stats)
@@ -429,6 +443,16 @@ class FlatParamHandle:
     def reduction_launched(self) -> bool:
         """A reduction of this backward is in flight (sent, not yet waited for)."""
         return self._pending is not None and self._pending.launched
+
+    @property
+    def reduction_finishable(self) -> bool:
+        """This backward's reduction is sent and ``finalize_gradient`` would issue no collective."""
+        return self._pending is not None and self._pending.launched and not self._all_reduce_after
+
+    @property
+    def reduction_done(self) -> bool:
+        """Finishable, and already complete: ``finalize_gradient`` would not block."""
+        return self.reduction_finishable and self._pending is not None and self._pending.done()
 
     def finalize_gradient(self) -> None:
         """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""

@@ -360,17 +360,18 @@ def _large_and_small_gradients() -> list[int]:
     )
     model = FSDP(net)  # default bucket_cap_mb=25: every gradient here would fit one bucket
     sizes: list[int] = []
-    real = collectives._reduce_scatter_fn
+    real = collectives.CommStats.record
 
-    def logged(output: torch.Tensor, full: torch.Tensor, **kwargs: object) -> object:
-        sizes.append(full.numel())
-        return real(output, full, **kwargs)
+    def logged(self: collectives.CommStats, kind: collectives.CollectiveKind, tensor: torch.Tensor) -> None:
+        if kind is collectives.CollectiveKind.REDUCE_SCATTER:
+            sizes.append(tensor.numel())
+        real(self, kind, tensor)
 
-    collectives._reduce_scatter_fn = logged
+    collectives.CommStats.record = logged  # type: ignore[method-assign]
     try:
         model(torch.randn(3, width)).sum().backward()
     finally:
-        collectives._reduce_scatter_fn = real
+        collectives.CommStats.record = real  # type: ignore[method-assign]
     return sizes
 
 
