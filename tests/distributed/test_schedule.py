@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+import fsdp.collectives
 import fsdp.handle
 from fsdp import FullyShardedDataParallel as FSDP
 from tests.models import CASES, build, wrap
@@ -154,3 +157,77 @@ def _parity(schedule: dict[str, bool], case: str) -> float:
 @pytest.mark.parametrize("case", ["nested", "called_twice", "structured_outputs"])
 def test_parity_with_every_schedule(pool: RankPool, schedule: dict[str, bool], case: str) -> None:
     assert max(pool.run(_parity, schedule, case)) <= 1e-5
+
+
+def _cpu_reduce_scatter_completes() -> bool:
+    """A CPU reduce-scatter reports completion without a wait, and wait() returns this rank's sum."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.arange(4.0 * world) + rank
+    expected = sum(torch.arange(4.0 * world) + r for r in range(world)).view(world, 4)[rank]
+    pending = fsdp.collectives.reduce_scatter(None, full, dist.group.WORLD)
+    deadline = time.monotonic() + 30
+    while not pending.done():  # gloo's own reduce-scatter never reports completion
+        assert time.monotonic() < deadline, "the reduce-scatter never reported completion"
+        time.sleep(0.005)
+    return bool(torch.equal(pending.wait(), expected))
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_cpu_reduce_scatter_reports_completion(pool: RankPool) -> None:
+    assert all(pool.run(_cpu_reduce_scatter_completes))
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)  # ample time for the previous unit's reduction to complete
+        return grad
+
+
+class _SlowAfter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(self.lin(x))
+
+
+def _early_finish_order() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_SlowAfter(), nn.Tanh(), nn.Linear(8, 8))
+    net = copy.deepcopy(ref)
+    net[0], net[2] = FSDP(net[0], bucket_cap_mb=0), FSDP(net[2], bucket_cap_mb=0)
+    model = FSDP(net, bucket_cap_mb=0)
+    (first,), (last,) = net[0].handles, net[2].handles
+    log: list[str] = []
+    real_finalize, real_reduce = last.finalize_gradient, first.reduce_grad
+
+    def finalize() -> None:
+        if last.reduction_pending:  # the end-of-backward callback calls it again, with nothing to do
+            log.append("finalize:last")
+        real_finalize()
+
+    def reduce(*args: Any, **kwargs: Any) -> None:
+        log.append("reduce:first")
+        real_reduce(*args, **kwargs)
+
+    last.finalize_gradient, first.reduce_grad = finalize, reduce  # type: ignore[method-assign]
+    diffs = compare_training(
+        ref, model, lambda g, n: torch.randn(n, 8, generator=g), lambda y: y.pow(2).mean(), steps=2
+    )
+    return {"log": log, "diff": max(diffs.values())}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_reductions_finish_during_the_next_units_backward(pool: RankPool) -> None:
+    # the last unit's reduction is sent at its post-backward; the gradient hooks of the first unit's
+    # parameters finish it (it completed during the slow op) before the first unit reduces its own
+    # gradient. Without the hooks it would be finished after, in the first unit's post-backward hook.
+    for r in pool.run(_early_finish_order):
+        assert r["diff"] <= 1e-5, r
+        assert r["log"] == ["finalize:last", "reduce:first"] * 2, r["log"]
