@@ -137,8 +137,43 @@ def all_gather(
     if n == 1:
         output.copy_(shard.view_as(output))
         return Pending(None, output)
+    if output.device.type == "cpu" and n <= _BROADCAST_GATHER_MAX_RANKS:
+        return Pending(_broadcast_gather(output, shard, group, n), output, (shard,))
     work = _all_gather_fn(output, shard, group=group, async_op=True)
     return Pending(work, output, (shard,))
+
+
+# On the CPU, gloo's all-gather receives into a fresh temporary and copies every chunk out of it.
+# For a few ranks, one in-place broadcast per rank (each from its own chunk of ``output``) moves
+# the same bytes without either. Measured at world size 2, 3.5 MB shards: 2.3 ms of CPU time per
+# gather against 3.6 to 6.7 ms. Each broadcast is a call of its own, so larger groups use gloo's
+# all-gather (N calls of latency would cost more than the copy saves).
+_BROADCAST_GATHER_MAX_RANKS = 4
+
+
+class _Works:
+    """Several launched works, waited for (and polled) as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def _broadcast_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, n: int) -> _Works:
+    chunks = output.view(n, -1)
+    chunks[dist.get_rank(group)].copy_(shard.view(-1))
+    return _Works(
+        [
+            dist.broadcast(chunks[i], src=dist.get_global_rank(group, i), group=group, async_op=True)
+            for i in range(n)
+        ]
+    )
 
 
 def reduce_scatter(

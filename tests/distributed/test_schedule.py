@@ -9,10 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import fsdp.collectives
 import fsdp.handle
 from fsdp import FullyShardedDataParallel as FSDP
 from tests.models import CASES, build, wrap
@@ -157,24 +155,6 @@ def _parity(schedule: dict[str, bool], case: str) -> float:
 @pytest.mark.parametrize("case", ["nested", "called_twice", "structured_outputs"])
 def test_parity_with_every_schedule(pool: RankPool, schedule: dict[str, bool], case: str) -> None:
     assert max(pool.run(_parity, schedule, case)) <= 1e-5
-
-
-def _cpu_reduce_scatter_completes() -> bool:
-    """A CPU reduce-scatter reports completion without a wait, and wait() returns this rank's sum."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    full = torch.arange(4.0 * world) + rank
-    expected = sum(torch.arange(4.0 * world) + r for r in range(world)).view(world, 4)[rank]
-    pending = fsdp.collectives.reduce_scatter(None, full, dist.group.WORLD)
-    deadline = time.monotonic() + 30
-    while not pending.done():  # gloo's own reduce-scatter never reports completion
-        assert time.monotonic() < deadline, "the reduce-scatter never reported completion"
-        time.sleep(0.005)
-    return bool(torch.equal(pending.wait(), expected))
-
-
-@pytest.mark.parametrize("pool", [2, 3], indirect=True)
-def test_cpu_reduce_scatter_reports_completion(pool: RankPool) -> None:
-    assert all(pool.run(_cpu_reduce_scatter_completes))
 
 
 class _SlowBackward(torch.autograd.Function):
