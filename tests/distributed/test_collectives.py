@@ -16,8 +16,10 @@ def _cpu_reduce_scatter_completes() -> bool:
     """A CPU reduce-scatter reports completion without a wait, and wait() returns this rank's sum."""
     rank, world = dist.get_rank(), dist.get_world_size()
     full = torch.arange(4.0 * world) + rank
-    expected = sum(torch.arange(4.0 * world) + r for r in range(world)).view(world, 4)[rank]
-    pending = fsdp.collectives.reduce_scatter(None, full, dist.group.WORLD)
+    expected = torch.stack([torch.arange(4.0 * world) + r for r in range(world)]).sum(0).view(world, 4)[rank]
+    group = dist.group.WORLD
+    assert group is not None
+    pending = fsdp.collectives.reduce_scatter(None, full, group)
     deadline = time.monotonic() + 30
     while not pending.done():  # gloo's own reduce-scatter never reports completion
         assert time.monotonic() < deadline, "the reduce-scatter never reported completion"
@@ -48,7 +50,9 @@ def _gathered(max_ranks: int) -> tuple[bool, int]:
         shard = torch.arange(5.0) + 10 * rank
         out = torch.full((5 * world,), float("nan"))
         stats = fsdp.collectives.CommStats()
-        fsdp.collectives.all_gather(out, shard, dist.group.WORLD, stats).wait()
+        group = dist.group.WORLD
+        assert group is not None
+        fsdp.collectives.all_gather(out, shard, group, stats).wait()
     finally:
         fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = saved
         dist.broadcast = real_broadcast
