@@ -438,12 +438,10 @@ class FullyShardedDataParallel(nn.Module):
                     for h in self.handles:
                         h.prefetch()
                     scheduler.on_forward(self)  # See [Note: prefetch]
-                    poll = grad_enabled and self._ctx.sync  # See [Note: finishing reductions early]
+                    hook = self._ctx.finish_done_reductions if grad_enabled and self._ctx.sync else None
                     for h in self.handles:
                         h.unshard()
-                        for view in h.use_full_views(as_parameters=False):
-                            if poll and view.requires_grad:
-                                view.register_hook(self._ctx.finish_done_reductions)  # type: ignore[no-untyped-call]
+                        h.use_full_views(as_parameters=False, grad_hook=hook)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the

@@ -62,7 +62,7 @@ gradients of every unit stay allocated inside the context.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -329,16 +329,22 @@ class FlatParamHandle:
             self._full_valid = False  # the shard changed under the compute buffer's feet
 
     # ------------------------------------------------------------------ module attributes
-    def use_full_views(self, as_parameters: bool) -> list[torch.Tensor]:
-        """Set the modules' attributes to views of the full parameter; return the views.
+    def use_full_views(
+        self, as_parameters: bool, grad_hook: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        """Set the modules' attributes to views of the full parameter.
 
         In forward the views come from ``flat_param`` so autograd routes their gradients into
         ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
+        ``grad_hook`` is registered on every view that requires grad (see
+        [Note: finishing reductions early]).
         """
         assert self.state is MemoryState.UNSHARDED
         source = self._active if as_parameters else self.flat_param
         views = unflatten_views(source, self.meta)
         for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
+            if grad_hook is not None and view.requires_grad:
+                view.register_hook(grad_hook)  # type: ignore[no-untyped-call]
             if as_parameters:
                 view = nn.Parameter(view, requires_grad=self.requires_grad)
             set_module_tensor(module, info.param_name, view, as_parameters)
@@ -350,7 +356,6 @@ class FlatParamHandle:
                 getattr(primary, self.meta.params[sinfo.primary].param_name),
                 as_parameters,
             )
-        return views
 
     def remove_module_tensors(self) -> None:
         """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
