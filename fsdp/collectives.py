@@ -193,9 +193,8 @@ def reduce_scatter(
     12 MB: 8.5 to 11 ms against 12 to 16 ms for gloo's reduce-scatter.
     """
     n = _size(group)
-    if (output is None and full.numel() % n) or (
-        output is not None and (full.numel() != n * output.numel() or output.dtype != full.dtype)
-    ):
+    fits = output is None or (output.numel() * n == full.numel() and output.dtype == full.dtype)
+    if full.numel() % n or not fits:
         what = "" if output is None else f"{tuple(output.shape)}/{output.dtype}"
         raise AssertionError(
             f"reduce_scatter: input {tuple(full.shape)}/{full.dtype} is not {n} x an output {what}"

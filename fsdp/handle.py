@@ -450,14 +450,15 @@ class FlatParamHandle:
         return self._pending is not None and self._pending.launched
 
     @property
-    def reduction_finishable(self) -> bool:
-        """This backward's reduction is sent and ``finalize_gradient`` would issue no collective."""
-        return self._pending is not None and self._pending.launched and not self._all_reduce_after
-
-    @property
     def reduction_done(self) -> bool:
-        """Finishable, and already complete: ``finalize_gradient`` would not block."""
-        return self.reduction_finishable and self._pending is not None and self._pending.done()
+        """This backward's reduction is sent and complete, and ``finalize_gradient`` would issue no
+        collective: it would return at once. Never blocks."""
+        return (
+            self._pending is not None
+            and self._pending.launched
+            and not self._all_reduce_after
+            and self._pending.done()
+        )
 
     def finalize_gradient(self) -> None:
         """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""
