@@ -603,9 +603,6 @@ class _RSItem(Pending):
     def launched(self) -> bool:
         return self.queue.launched
 
-    def done(self) -> bool:
-        return self.queue.launched and self.shared is not None and self.shared.done()
-
     def wait(self) -> torch.Tensor:
         self.queue.launch()
         assert self.shared is not None and self.view is not None

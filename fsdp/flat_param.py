@@ -131,16 +131,24 @@ def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
-def unflatten_views(flat: torch.Tensor, meta: FlatParamMeta) -> list[torch.Tensor]:
+def unflatten_views(
+    flat: torch.Tensor, meta: FlatParamMeta, before_concat: Callable[[], None] | None = None
+) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like the original parameters (autograd-tracked if ``flat`` is).
 
     ``flat`` may extend past ``meta.numel`` (padding). One ``split`` rather than one ``narrow`` per
     parameter: the backward of a split concatenates the gradients once, whereas each narrow's
     backward would allocate and zero-fill a tensor the size of the whole flat parameter.
+    ``before_concat`` (when ``flat`` requires grad) runs in backward once every view's gradient
+    is computed, just before that concatenation allocates the flat gradient.
     """
     sizes = [p.numel for p in meta.params]
     rest = flat.numel() - meta.numel
     parts = torch.split(flat, [*sizes, rest] if rest else sizes)
+    node = parts[0].grad_fn
+    if before_concat is not None and node is not None:
+        hook = before_concat
+        node.register_prehook(lambda grad_outputs: hook())
     return [part.view(p.shape) for part, p in zip(parts, meta.params)]
 
 

@@ -92,9 +92,9 @@ class _RootContext:
         self.scheduler = Scheduler(wrappers[0].config.schedule, device)
         self.in_flight = collections.deque()
 
-    def finish_done_reductions(self, grad: torch.Tensor) -> None:
-        """Gradient hook on the parameter views. See [Note: finishing reductions early]."""
-        while self.in_flight and self.in_flight[0].reduction_done:
+    def finish_reductions(self) -> None:
+        """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
+        while self.in_flight and self.in_flight[0].reduction_finishable:
             self.in_flight.popleft().finalize_gradient()
 
 
@@ -438,10 +438,10 @@ class FullyShardedDataParallel(nn.Module):
                     for h in self.handles:
                         h.prefetch()
                     scheduler.on_forward(self)  # See [Note: prefetch]
-                    hook = self._ctx.finish_done_reductions if grad_enabled and self._ctx.sync else None
+                    hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
                     for h in self.handles:
                         h.unshard()
-                        h.use_full_views(as_parameters=False, grad_hook=hook)
+                        h.use_full_views(as_parameters=False, before_concat=hook)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the

@@ -39,14 +39,16 @@ accumulation across backward passes (without zero_grad) sums as in a plain model
 A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
 for. The post-backward hook waits for the older ones once a newer one is sent, so one stays in
 flight while the next unit computes its gradients, and it would stay there through that unit's
-gradient peak (its parameters' gradients plus their concatenation into the flat gradient). The
-forward therefore hooks the gradient of every parameter view: each hook finishes, oldest first,
-the reductions that are already complete (``Pending.done()`` never blocks), freeing their inputs
-before the unit's flat gradient is built. (On the CPU the reduce-scatter is an in-place all-reduce,
-which, unlike gloo's reduce-scatter, reports completion; see ``fsdp.collectives.reduce_scatter``.)
-A reduction followed by an all-reduce across replicas (HYBRID_SHARD) is left for the post-backward
-hook: that all-reduce is a collective, and a hook that runs when a transfer happens to be done
-would issue it at a different moment on each rank.
+gradient peak: its parameters' gradients plus their concatenation into the flat gradient. The
+forward therefore hooks the backward of the split that made the parameter views: just before the
+concatenation allocates the flat gradient, the hook finishes (waits for) the reductions in flight,
+oldest first, freeing their inputs. By then the unit's whole backward has run since they were
+sent, so the wait rarely blocks, and the post-backward hook would have waited for them one
+concatenation later anyway. On the CPU the reduce-scatter of a few ranks is a point-to-point
+exchange that cannot be polled for completion (``fsdp.collectives.reduce_scatter``), which is why
+the hook waits rather than polls. A reduction followed by an all-reduce across replicas
+(HYBRID_SHARD) is left for the post-backward hook, like a bucket not yet sent: issuing a collective
+or sending a bucket from here would change the order of collectives the schedule relies on.
 
 [Note: no_sync]
 Inside ``no_sync`` no collective runs after the first forward: each handle keeps its full
@@ -329,22 +331,18 @@ class FlatParamHandle:
             self._full_valid = False  # the shard changed under the compute buffer's feet
 
     # ------------------------------------------------------------------ module attributes
-    def use_full_views(
-        self, as_parameters: bool, grad_hook: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
+    def use_full_views(self, as_parameters: bool, before_concat: Callable[[], None] | None = None) -> None:
         """Set the modules' attributes to views of the full parameter.
 
         In forward the views come from ``flat_param`` so autograd routes their gradients into
         ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
-        ``grad_hook`` is registered on every view that requires grad (see
-        [Note: finishing reductions early]).
+        ``before_concat`` runs in backward just before the views' gradients are concatenated into
+        the flat gradient (see [Note: finishing reductions early]).
         """
         assert self.state is MemoryState.UNSHARDED
         source = self._active if as_parameters else self.flat_param
-        views = unflatten_views(source, self.meta)
+        views = unflatten_views(source, self.meta, before_concat)
         for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
-            if grad_hook is not None and view.requires_grad:
-                view.register_hook(grad_hook)  # type: ignore[no-untyped-call]
             if as_parameters:
                 view = nn.Parameter(view, requires_grad=self.requires_grad)
             set_module_tensor(module, info.param_name, view, as_parameters)
@@ -450,15 +448,9 @@ class FlatParamHandle:
         return self._pending is not None and self._pending.launched
 
     @property
-    def reduction_done(self) -> bool:
-        """This backward's reduction is sent and complete, and ``finalize_gradient`` would issue no
-        collective: it would return at once. Never blocks."""
-        return (
-            self._pending is not None
-            and self._pending.launched
-            and not self._all_reduce_after
-            and self._pending.done()
-        )
+    def reduction_finishable(self) -> bool:
+        """This backward's reduction is sent, and ``finalize_gradient`` would issue no collective."""
+        return self._pending is not None and self._pending.launched and not self._all_reduce_after
 
     def finalize_gradient(self) -> None:
         """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""

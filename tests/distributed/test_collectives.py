@@ -1,8 +1,6 @@
-"""The CPU forms of the collectives: results, completion reporting, and both all-gather paths."""
+"""The CPU forms of the collectives: results of both reduce-scatter and both all-gather paths."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -12,24 +10,58 @@ import fsdp.collectives
 from tests.rank_pool import RankPool
 
 
-def _cpu_reduce_scatter_completes() -> bool:
-    """A CPU reduce-scatter reports completion without a wait, and wait() returns this rank's sum."""
+def _reduced(max_ranks: int) -> tuple[bool, int]:
+    """reduce_scatter through a point-to-point exchange (few ranks) or an in-place all-reduce: the
+    same sums, also with several in flight at once and waited for out of order. Returns (correct,
+    point-to-point sends issued)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    full = torch.arange(4.0 * world) + rank
-    expected = torch.stack([torch.arange(4.0 * world) + r for r in range(world)]).sum(0).view(world, 4)[rank]
+    saved, real_isend = fsdp.collectives._EXCHANGE_MAX_RANKS, dist.isend
+    sends = 0
+
+    def counted_isend(*args: object, **kwargs: object) -> object:
+        nonlocal sends
+        sends += 1
+        return real_isend(*args, **kwargs)  # type: ignore[arg-type]
+
+    def contribution(r: int, size: int, seed: int) -> torch.Tensor:
+        return torch.randn(size * world, generator=torch.Generator().manual_seed(1000 * seed + r))
+
+    fsdp.collectives._EXCHANGE_MAX_RANKS = max_ranks
+    dist.isend = counted_isend  # type: ignore[assignment]
     group = dist.group.WORLD
     assert group is not None
-    pending = fsdp.collectives.reduce_scatter(None, full, group)
-    deadline = time.monotonic() + 30
-    while not pending.done():  # gloo's own reduce-scatter never reports completion
-        assert time.monotonic() < deadline, "the reduce-scatter never reported completion"
-        time.sleep(0.005)
-    return bool(torch.equal(pending.wait(), expected))
+    try:
+        # equal sizes first: mixing them up would go unnoticed by gloo, not by the sums
+        cases = [(6, 0, False), (6, 1, True), (3, 2, False)]
+        pendings = []
+        for size, seed, given in cases:
+            out = torch.full((size,), float("nan")) if given else None
+            pendings.append(fsdp.collectives.reduce_scatter(out, contribution(rank, size, seed), group))
+        results = [p.wait() for p in reversed(pendings)][::-1]
+    finally:
+        fsdp.collectives._EXCHANGE_MAX_RANKS = saved
+        dist.isend = real_isend
+    correct = True
+    for (size, seed, _), got in zip(cases, results, strict=True):
+        total = contribution(0, size, seed)
+        for r in range(1, world):  # the exchange sums in rank order, like this
+            total = total + contribution(r, size, seed)
+        want = total.view(world, size)[rank]
+        # a ring all-reduce adds in another order: the same sums up to rounding
+        exact = world <= max_ranks
+        correct = correct and (
+            torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        )
+    return correct, sends
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
-def test_cpu_reduce_scatter_reports_completion(pool: RankPool) -> None:
-    assert all(pool.run(_cpu_reduce_scatter_completes))
+@pytest.mark.parametrize("max_ranks", [0, 4])
+def test_reduce_scatter_paths_agree(pool: RankPool, max_ranks: int) -> None:
+    # up to the limit: each rank sends every other rank its chunk; above it (limit 0): all-reduce
+    for correct, sends in pool.run(_reduced, max_ranks):
+        assert correct
+        assert sends == (3 * (pool.world_size - 1) if pool.world_size <= max_ranks else 0)
 
 
 def _gathered(max_ranks: int) -> tuple[bool, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from typing import Any
 
@@ -157,29 +156,9 @@ def test_parity_with_every_schedule(pool: RankPool, schedule: dict[str, bool], c
     assert max(pool.run(_parity, schedule, case)) <= 1e-5
 
 
-class _SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.3)  # ample time for the previous unit's reduction to complete
-        return grad
-
-
-class _SlowAfter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SlowBackward.apply(self.lin(x))
-
-
 def _early_finish_order() -> dict[str, Any]:
     torch.manual_seed(0)
-    ref = nn.Sequential(_SlowAfter(), nn.Tanh(), nn.Linear(8, 8))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     net = copy.deepcopy(ref)
     net[0], net[2] = FSDP(net[0], bucket_cap_mb=0), FSDP(net[2], bucket_cap_mb=0)
     model = FSDP(net, bucket_cap_mb=0)
@@ -205,9 +184,9 @@ def _early_finish_order() -> dict[str, Any]:
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_reductions_finish_during_the_next_units_backward(pool: RankPool) -> None:
-    # the last unit's reduction is sent at its post-backward; the gradient hooks of the first unit's
-    # parameters finish it (it completed during the slow op) before the first unit reduces its own
-    # gradient. Without the hooks it would be finished after, in the first unit's post-backward hook.
+    # the last unit's reduction is sent at its post-backward; the hook on the first unit's split
+    # backward finishes it before the first unit builds (and reduces) its own flat gradient. Without
+    # the hook it would be finished after, in the first unit's post-backward hook.
     for r in pool.run(_early_finish_order):
         assert r["diff"] <= 1e-5, r
         assert r["log"] == ["finalize:last", "reduce:first"] * 2, r["log"]
