@@ -6,13 +6,14 @@ both: ``with handle.stream(s)``, ``handle.wait_stream(a, b)``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceHandle", "default_compute_device", "device_available", "is_accelerator"]
+__all__ = ["DeviceHandle", "SideCopies", "default_compute_device", "device_available", "is_accelerator"]
 
 
 class _NullStream:
@@ -107,6 +108,92 @@ class DeviceHandle:
         """Restore a state from :meth:`get_rng_state`; no-op for ``None``."""
         if self.is_cuda and state is not None:
             torch.cuda.set_rng_state(state, self.device)
+
+
+class _EventWork:
+    """A work object for ``Pending``: ``wait()`` orders the current stream after an event."""
+
+    def __init__(self, device: DeviceHandle, event: Any) -> None:
+        self.device, self.event = device, event
+
+    def wait(self) -> None:
+        self.device.wait_event(self.device.current_stream(), self.event)
+
+
+class SideCopies:
+    """Host<->device copies of offloaded shards and their gradients on one side stream (CUDA).
+
+    Copies are queued asynchronously (pinned host memory) so that they overlap compute queued on the
+    current stream, and the host never waits for them until their results are needed. Memory
+    safety comes from ordering and from holding tensors, not from ``record_stream``:
+
+    - the side stream first waits for the work queued so far on the current stream, where the
+      tensors it reads or writes were produced or allocated (a buffer allocated on the current
+      stream may reuse memory that queued compute still uses);
+    - the current stream waits for a copy through ``wait()`` of what :meth:`to_device` returns;
+    - a device tensor copied to the host is held until the copy's event has completed.
+
+    One instance per CUDA device (:meth:`for_device`); FSDP uses none on CPU, where the offloaded
+    shard already lives on the compute device. On CPU every stream and event call is a no-op and the
+    copies happen at once, which is how the tests drive this bookkeeping without a GPU.
+    """
+
+    _instances: dict[torch.device, SideCopies] = {}
+
+    def __init__(self, device: DeviceHandle) -> None:
+        self.device = device
+        self.stream = device.new_stream()
+        self._held: collections.deque[tuple[Any, tuple[torch.Tensor, ...]]] = collections.deque()
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> SideCopies:
+        if device not in cls._instances:
+            cls._instances[device] = cls(DeviceHandle(device))
+        return cls._instances[device]
+
+    @contextlib.contextmanager
+    def side(self) -> Iterator[None]:
+        """Run the body on the side stream, after the work queued so far on the current stream.
+
+        A collective launched inside (NCCL) orders itself after the side stream's copies."""
+        self.device.wait_stream(self.stream, self.device.current_stream())
+        with self.device.stream(self.stream):
+            yield
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> _EventWork:
+        """Queue ``dst.copy_(src)`` (host -> device, with any cast on the device) on the side stream."""
+        with self.side():
+            dst.copy_(src, non_blocking=True)
+        return _EventWork(self.device, self.device.record_event(self.stream))
+
+    def to_host(self, src: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """Queue a copy of the device tensor ``src`` (cast to ``dtype`` on the device) into new pinned
+        host memory. Returns ``(host tensor, event)``: read the host tensor only after
+        ``DeviceHandle.synchronize_event(event)``."""
+        self.release(block=False)
+        with self.side():
+            cast = src.to(dtype)
+            host = torch.empty(src.shape, dtype=dtype, pin_memory=self.device.is_cuda)
+            host.copy_(cast, non_blocking=True)
+        event = self.device.record_event(self.stream)
+        self._held.append((event, (src, cast)))
+        return host, event
+
+    @classmethod
+    def synchronize_all(cls) -> None:
+        for copies in cls._instances.values():
+            copies.synchronize()
+
+    def synchronize(self) -> None:
+        """Block the host until every copy queued so far has finished; drop what they held."""
+        self.device.synchronize_event(self.device.record_event(self.stream))
+        self._held.clear()
+
+    def release(self, block: bool) -> None:
+        """Drop the device sources of finished host copies (all of them, waiting, with ``block``)."""
+        while self._held and (block or self._held[0][0] is None or self._held[0][0].query()):
+            event, _ = self._held.popleft()
+            self.device.synchronize_event(event)
 
 
 def is_accelerator(device: torch.device) -> bool:

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
-from fsdp._device import DeviceHandle, default_compute_device
+from fsdp._device import DeviceHandle, SideCopies, default_compute_device
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -95,7 +95,7 @@ class _RootContext:
     def finish_reductions(self) -> None:
         """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
         while self.in_flight and self.in_flight[0].reduction_finishable:
-            self.in_flight.popleft().finalize_gradient()
+            self.in_flight.popleft().finalize_gradient(asynchronous=True)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -318,10 +318,7 @@ class FullyShardedDataParallel(nn.Module):
     def move_grads_to_cpu(self) -> bool:
         return self.config.offload.grads_to_cpu
 
-    @property
-    def cpu_offload(self) -> bool:
-        """fairscale's older name of :attr:`move_params_to_cpu`."""
-        return self.config.offload.params_to_cpu
+    cpu_offload = move_params_to_cpu  # fairscale's older name
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -451,6 +448,8 @@ class FullyShardedDataParallel(nn.Module):
                     h.reshard(free_full=not keep_full)
                 if not keep_full and self.handles:
                     scheduler.freed()
+                if self._is_root and not grad_enabled and self.config.offload.params_to_cpu:
+                    SideCopies.synchronize_all()  # no backward follows to wait for the host copies
             if grad_enabled:
                 self._register_pre_backward_hooks(outputs)
         if precision.clear_autocast_cache:
@@ -542,7 +541,7 @@ class FullyShardedDataParallel(nn.Module):
                 if handle.reduction_pending:
                     ctx.in_flight.append(handle)
                 while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
-                    ctx.in_flight.popleft().finalize_gradient()
+                    ctx.in_flight.popleft().finalize_gradient(asynchronous=True)
             ctx.scheduler.freed()
             if index is not None:
                 assert ctx.bucketer is not None

@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._device import DeviceHandle
+from fsdp._device import DeviceHandle, SideCopies
 from fsdp.api import CommConfig, MemoryState
 from fsdp.buckets import BucketConfig, GradBucketer, ReduceScatterBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
@@ -113,6 +113,8 @@ class FlatParamHandle:
     _shard: torch.Tensor  # (chunk,) local master shard, meta.dtype (fp32 under mixed precision)
     _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype device copy of the shard to all-gather; freed
     offloaded: bool  # the master shard (and its gradient) lives on the CPU, compute on another device
+    copies: SideCopies | None  # CUDA with offload: the side stream of host<->device copies
+    _grad_copy: tuple[torch.Tensor, Any] | None  # (host gradient, event) of a copy still in flight
     _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
     _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
     _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
@@ -156,6 +158,8 @@ class FlatParamHandle:
         # With CPU offload the master shard lives in (pinned) host memory; on a CPU compute device
         # that is where it is anyway, and nothing changes.
         self.offloaded = offload and device.type != "cpu"
+        self.copies = SideCopies.for_device(device) if self.offloaded and device.type == "cuda" else None
+        self._grad_copy = None
         if comm.world_size == 1 and not self.mixed and not self.offloaded:
             self._shard = self._full = padded
         else:
@@ -274,13 +278,19 @@ class FlatParamHandle:
     def _gather_compute_(self, buf: torch.Tensor) -> Pending:
         if self._lp_shard is None:
             return all_gather(buf, self._shard, self.comm.process_group, self.stats)
-        if self.spec.world_size == 1:
-            buf.copy_(self._shard)  # cast and/or host-to-device copy
+        if self.spec.world_size == 1:  # cast and/or host-to-device copy
+            if self.copies is not None:
+                return Pending(self.copies.to_device(buf, self._shard), buf, (self._shard,))
+            buf.copy_(self._shard)
             return Pending(None, buf)
         _alloc_storage(self._lp_shard)
         # cast before the all-gather (half the bytes on the wire), and/or copy the offloaded shard in
-        self._lp_shard.copy_(self._shard)
-        return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
+        if self.copies is None:
+            self._lp_shard.copy_(self._shard)
+            return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
+        with self.copies.side():  # the copy overlaps compute; the all-gather follows the copy
+            self._lp_shard.copy_(self._shard, non_blocking=True)
+            return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
 
     def reshard(self, free_full: bool = True) -> None:
         """Point ``flat_param.data`` back at the shard; free the full buffer unless told to keep it."""
@@ -452,8 +462,19 @@ class FlatParamHandle:
         """This backward's reduction is sent, and ``finalize_gradient`` would issue no collective."""
         return self._pending is not None and self._pending.launched and not self._all_reduce_after
 
-    def finalize_gradient(self) -> None:
-        """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient."""
+    def finalize_gradient(self, asynchronous: bool = False) -> None:
+        """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient.
+
+        With an offloaded shard on CUDA the gradient is copied to the host on the side stream; with
+        ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which the
+        end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
+        """
+        if self._grad_copy is not None:  # a copy queued by an earlier call lands first
+            host, event = self._grad_copy
+            self._grad_copy = None
+            assert self.copies is not None
+            self.copies.device.synchronize_event(event)
+            self._set_grad(host)
         if self._bucketed:  # reduced (and averaged) in place by the bucket engine
             self._bucketed = False
             if self._saved_grad_shard is not None:
@@ -467,6 +488,8 @@ class FlatParamHandle:
             if self._saved_grad_shard is not None:  # no new gradient this backward: restore the old one
                 self.flat_param.grad = self._saved_grad_shard
                 self._saved_grad_shard = None
+            if self.copies is not None and not asynchronous:
+                self.copies.synchronize()  # nothing queued may still read or write host memory
             return
         out = self._pending.wait()
         self._pending = None
@@ -476,11 +499,18 @@ class FlatParamHandle:
         if self.comm.gradient_postdivide_factor != 1:
             out.div_(self.comm.gradient_postdivide_factor)
         # gradients always land on the master shard: its dtype, and its device (CPU when offloaded)
-        out = out.to(device=self._shard.device, dtype=self.meta.dtype)
+        if self.copies is not None:
+            self._grad_copy = self.copies.to_host(out, self.meta.dtype)
+            if not asynchronous:
+                self.finalize_gradient()
+            return
+        self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+
+    def _set_grad(self, grad: torch.Tensor) -> None:
         if self._saved_grad_shard is not None:
-            out = self._saved_grad_shard.add_(out)
+            grad = self._saved_grad_shard.add_(grad)
             self._saved_grad_shard = None
-        self.flat_param.grad = out
+        self.flat_param.grad = grad
 
 
 def clip_grad_norm_(

@@ -166,10 +166,10 @@ def _early_finish_order() -> dict[str, Any]:
     log: list[str] = []
     real_finalize, real_reduce = last.finalize_gradient, first.reduce_grad
 
-    def finalize() -> None:
+    def finalize(asynchronous: bool = False) -> None:
         if last.reduction_pending:  # the end-of-backward callback calls it again, with nothing to do
             log.append("finalize:last")
-        real_finalize()
+        real_finalize(asynchronous)
 
     def reduce(*args: Any, **kwargs: Any) -> None:
         log.append("reduce:first")

@@ -12,17 +12,32 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.gpu
-def test_nccl_world_size_1_parity_on_cuda() -> None:
+def _run(script: str) -> dict:
+    """Run tests/gpu/<script> under torchrun at world size 1; its last stdout line is a JSON report."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=1",
-        os.path.join(ROOT, "tests", "gpu", "cuda_parity.py"),
+        os.path.join(ROOT, "tests", "gpu", script),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_1_parity_on_cuda() -> None:
+    report = _run("cuda_parity.py")
     assert all(v <= 1e-4 for v in report["max_diff"].values()), report
+
+
+@pytest.mark.gpu
+def test_offload_copies_run_on_a_side_stream() -> None:
+    report = _run("offload_streams.py")
+    assert report["copies_on_a_side_stream"], report
+    for precision in ("fp32", "fp16"):
+        assert report[f"{precision}_grads_on_cpu"], report
+        assert report[f"{precision}_max_diff"] <= 1e-6, report
