@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -148,19 +150,25 @@ def test_hybrid_shard_across_two_torchrun_nodes(tmp_path: Any) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", script,
                str(tmp_path)]  # fmt: skip
-        procs.append(
-            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(  # a session of its own: on failure the launcher and its workers die together
+            subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         )
-    outputs = []
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out.decode())
-        assert p.returncode == 0, out.decode()[-3000:]
+            assert p.returncode == 0, out.decode()[-3000:]
+    finally:  # also reaps workers left behind by a launcher that died
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in results:
         assert r["local_world_size"] == 2 and r["shard_size"] == 2 and r["replicated"]
