@@ -170,7 +170,7 @@ class SideCopies:
         """Queue a copy of the device tensor ``src`` (cast to ``dtype`` on the device) into new pinned
         host memory. Returns ``(host tensor, event)``: read the host tensor only after
         ``DeviceHandle.synchronize_event(event)``."""
-        self.release(block=False)
+        self.release_finished()
         with self.side():
             cast = src.to(dtype)
             host = torch.empty(src.shape, dtype=dtype, pin_memory=self.device.is_cuda)
@@ -189,11 +189,10 @@ class SideCopies:
         self.device.synchronize_event(self.device.record_event(self.stream))
         self._held.clear()
 
-    def release(self, block: bool) -> None:
-        """Drop the device sources of finished host copies (all of them, waiting, with ``block``)."""
-        while self._held and (block or self._held[0][0] is None or self._held[0][0].query()):
-            event, _ = self._held.popleft()
-            self.device.synchronize_event(event)
+    def release_finished(self) -> None:
+        """Drop the device sources of the host copies that have finished (never blocks)."""
+        while self._held and (self._held[0][0] is None or self._held[0][0].query()):
+            self._held.popleft()
 
 
 def is_accelerator(device: torch.device) -> bool:

@@ -214,7 +214,7 @@ def reduce_scatter(
 # reduce-scatter needs. For a few ranks each rank instead sends chunk k of ``full`` straight to rank
 # k and sums what it receives into its own chunk: (N-1)/N of ``full`` sent per rank, the minimum.
 # Measured at world size 2, 24 MB: 16.6 ms against 24.1 ms for the in-place all-reduce and 42.6 ms
-# for gloo's reduce-scatter; 5% off a 35M-parameter training step. The receive buffers
+# for gloo's reduce-scatter; 3 to 5% off a training step of the benchmark's GPT. The receive buffers
 # ((N-1)/N of ``full``; at world size 2 the output itself) exist from the launch, so larger groups
 # keep the in-place all-reduce. gloo's point-to-point works never report completion before
 # ``wait()``; see [Note: finishing reductions early] in fsdp/handle.py.
@@ -230,12 +230,15 @@ def _exchange_reduce_scatter(
 ) -> Pending:
     me = dist.get_rank(group)
     chunks = full.view(n, -1)
-    tag = _EXCHANGE_TAG
     peers = [k for k in range(n) if k != me]
     received = {k: chunks.new_empty(chunks.shape[1]) for k in peers}
-    works = [dist.isend(chunks[k], dst=dist.get_global_rank(group, k), group=group, tag=tag) for k in peers]
+    works = [
+        dist.isend(chunks[k], dst=dist.get_global_rank(group, k), group=group, tag=_EXCHANGE_TAG)
+        for k in peers
+    ]
     works += [
-        dist.irecv(received[k], src=dist.get_global_rank(group, k), group=group, tag=tag) for k in peers
+        dist.irecv(received[k], src=dist.get_global_rank(group, k), group=group, tag=_EXCHANGE_TAG)
+        for k in peers
     ]
     mine = chunks[me]
 
