@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,27 +13,37 @@ import fsdp.collectives
 from tests.rank_pool import RankPool
 
 
+@contextlib.contextmanager
+def _path(limit: str, max_ranks: int, counted: str) -> Iterator[list[int]]:
+    """Set ``fsdp.collectives.<limit>`` and count the calls of ``dist.<counted>`` (in the list)."""
+    saved, real = getattr(fsdp.collectives, limit), getattr(dist, counted)
+    calls = [0]
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    setattr(fsdp.collectives, limit, max_ranks)
+    setattr(dist, counted, counting)
+    try:
+        yield calls
+    finally:
+        setattr(fsdp.collectives, limit, saved)
+        setattr(dist, counted, real)
+
+
 def _reduced(max_ranks: int) -> tuple[bool, int]:
     """reduce_scatter through a point-to-point exchange (few ranks) or an in-place all-reduce: the
     same sums, also with several in flight at once and waited for out of order. Returns (correct,
     point-to-point sends issued)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved, real_isend = fsdp.collectives._EXCHANGE_MAX_RANKS, dist.isend
-    sends = 0
-
-    def counted_isend(*args: object, **kwargs: object) -> object:
-        nonlocal sends
-        sends += 1
-        return real_isend(*args, **kwargs)  # type: ignore[arg-type]
 
     def contribution(r: int, size: int, seed: int) -> torch.Tensor:
         return torch.randn(size * world, generator=torch.Generator().manual_seed(1000 * seed + r))
 
-    fsdp.collectives._EXCHANGE_MAX_RANKS = max_ranks
-    dist.isend = counted_isend  # type: ignore[assignment]
     group = dist.group.WORLD
     assert group is not None
-    try:
+    with _path("_EXCHANGE_MAX_RANKS", max_ranks, "isend") as sends:
         # equal sizes first: mixing them up would go unnoticed by gloo, not by the sums
         cases = [(6, 0, False), (6, 1, True), (3, 2, False)]
         pendings = []
@@ -38,9 +51,6 @@ def _reduced(max_ranks: int) -> tuple[bool, int]:
             out = torch.full((size,), float("nan")) if given else None
             pendings.append(fsdp.collectives.reduce_scatter(out, contribution(rank, size, seed), group))
         results = [p.wait() for p in reversed(pendings)][::-1]
-    finally:
-        fsdp.collectives._EXCHANGE_MAX_RANKS = saved
-        dist.isend = real_isend
     correct = True
     for (size, seed, _), got in zip(cases, results, strict=True):
         total = contribution(0, size, seed)
@@ -52,7 +62,7 @@ def _reduced(max_ranks: int) -> tuple[bool, int]:
         correct = correct and (
             torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-6)
         )
-    return correct, sends
+    return correct, sends[0]
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
@@ -68,30 +78,17 @@ def _gathered(max_ranks: int) -> tuple[bool, int]:
     """all_gather through in-place broadcasts (few ranks) or gloo's all-gather: the same result.
     Returns (correct, broadcasts issued)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved, real_broadcast = fsdp.collectives._BROADCAST_GATHER_MAX_RANKS, dist.broadcast
-    broadcasts = 0
-
-    def counted_broadcast(*args: object, **kwargs: object) -> object:
-        nonlocal broadcasts
-        broadcasts += 1
-        return real_broadcast(*args, **kwargs)  # type: ignore[arg-type]
-
-    fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = max_ranks
-    dist.broadcast = counted_broadcast  # type: ignore[assignment]
-    try:
+    group = dist.group.WORLD
+    assert group is not None
+    with _path("_BROADCAST_GATHER_MAX_RANKS", max_ranks, "broadcast") as broadcasts:
         shard = torch.arange(5.0) + 10 * rank
         out = torch.full((5 * world,), float("nan"))
         stats = fsdp.collectives.CommStats()
-        group = dist.group.WORLD
-        assert group is not None
         fsdp.collectives.all_gather(out, shard, group, stats).wait()
-    finally:
-        fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = saved
-        dist.broadcast = real_broadcast
     expected = torch.cat([torch.arange(5.0) + 10 * r for r in range(world)])
     counted = stats.as_dict()["all_gather"]
     correct = bool(torch.equal(out, expected)) and counted["calls"] == 1 and counted["numel"] == 5 * world
-    return correct, broadcasts
+    return correct, broadcasts[0]
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
