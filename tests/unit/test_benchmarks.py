@@ -1,0 +1,69 @@
+"""The peer benchmark and the phase breakdown at their smallest size, on two gloo ranks.
+
+Timings are not asserted (a shared CI machine says nothing about speed); what is asserted is what
+the scripts promise whatever the machine: every variant ran, our communication equals what the
+padded flat sizes predict, every fp32 variant computed the same first loss, and the reports exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(script: str, *args: str, timeout: float = 240) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [*cmd, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def peers_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("peers")
+    torchrun("peers.py", "--sizes", "1M", "--rounds", "2", "--no-plot", "--out", str(out))
+    assert (out / "peers.md").read_text().strip()
+    return json.loads((out / "peers.json").read_text())
+
+
+def test_peers_runs_every_variant_with_exact_bytes_and_one_loss(peers_report: dict) -> None:
+    (size,) = peers_report["sizes"]
+    expected = set("ours_full ours_grad_op ours_no_shard ours_full_bf16 fsdp2 fsdp2_bf16 ddp local".split())
+    assert set(size["variants"]) == expected
+    for name in expected:
+        assert len(size["per_round_step_s"][name]) == 2 and min(size["per_round_step_s"][name]) > 0
+        assert size["memory"][name]["tracked_peak_bytes_per_rank"][0] > 0
+    ours = [n for n in expected if n.startswith("ours_")]
+    assert all(size["comm"][n]["counted_matches_expected"] for n in ours), size["comm"]
+    # same weights, same batches: every fp32 variant's first loss is the same number
+    assert size["first_step_loss_max_diff_fp32"] < 1e-6
+    assert {"ours_full/fsdp2", "ours_full/ddp", "ours_full/local"} <= set(size["ratios"])
+
+
+def test_phases_reports_every_phase_of_every_variant(tmp_path: Path) -> None:
+    variants = "ours_full,ours_full_fp,ddp,local"
+    torchrun(
+        "phases.py", *"--size 1M --rounds 2 --warm 1 --variants".split(), variants, "--out", str(tmp_path)
+    )
+    median = json.loads((tmp_path / "phases.json").read_text())["median"]
+    assert set(median) == set(variants.split(","))
+    for row in median.values():
+        for phase in ("forward", "backward", "optimizer"):
+            assert row[f"{phase}_wall"] > 0 and row[f"{phase}_cpu"] >= 0
+        assert row["step_wall"] >= row["forward_wall"]
+    table = (tmp_path / "phases.md").read_text()
+    assert all(f"| {v} |" in table for v in variants.split(","))
