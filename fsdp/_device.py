@@ -199,16 +199,23 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def default_compute_device(param_devices: set[torch.device]) -> torch.device:
+def default_compute_device(
+    param_devices: set[torch.device], fallback: set[torch.device] | None = None, offload: bool = False
+) -> torch.device:
     """The compute device when the user names none: where the parameters already live.
 
-    A module with no parameters computes on the current CUDA device if there is one, else CPU.
+    A module with no parameters of its own uses ``fallback`` (e.g. the devices of its inner
+    wrappers) when that names one device. With ``offload`` (``move_params_to_cpu``) and parameters
+    on the CPU, the current CUDA device if there is one: offloading is for computing elsewhere, and
+    it is fairscale's default. Otherwise the current CUDA device if there is one, else the CPU.
     """
-    if param_devices:
-        (device,) = param_devices
+    devices = param_devices or fallback or set()
+    if len(devices) == 1:
+        (device,) = devices
         if device.type == "cuda" and device.index is None:
             return torch.device("cuda", torch.cuda.current_device())
-        return device
+        if not (offload and device.type == "cpu" and torch.cuda.is_available()):
+            return device
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

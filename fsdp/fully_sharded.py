@@ -115,7 +115,8 @@ class FullyShardedDataParallel(nn.Module):
         disable_reshard_on_root: the root keeps its full parameters from forward to backward.
         flatten_parameters: one flat parameter per (requires_grad, dtype) group; False shards every
             parameter on its own.
-        compute_device: where compute runs; default: where the parameters are.
+        compute_device: where compute runs; default: where the parameters are (with
+            ``move_params_to_cpu`` and CPU parameters: the current CUDA device if any).
         state_dict_device: where ``state_dict()`` values go; default: the compute device.
         state_dict_on_rank_0_only: rank 0 receives the full state dict, other ranks an empty one.
         gradient_predivide_factor: divide gradients by this before the reduction and by
@@ -204,7 +205,9 @@ class FullyShardedDataParallel(nn.Module):
                 f"({', '.join(sorted(str(d) for d in devices))}); move the module to one device before wrapping"
             )
         device = (
-            torch.device(compute_device) if compute_device is not None else default_compute_device(devices)
+            torch.device(compute_device)
+            if compute_device is not None
+            else default_compute_device(devices, {w.compute_device for _, w in inner}, params_to_cpu)
         )
         precision = resolve_precision(
             mixed_precision,
@@ -448,7 +451,7 @@ class FullyShardedDataParallel(nn.Module):
                     h.reshard(free_full=not keep_full)
                 if not keep_full and self.handles:
                     scheduler.freed()
-                if self._is_root and not grad_enabled and self.config.offload.params_to_cpu:
+                if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
                     SideCopies.synchronize_all()  # no backward follows to wait for the host copies
             if grad_enabled:
                 self._register_pre_backward_hooks(outputs)

@@ -157,6 +157,7 @@ class FlatParamHandle:
             del flat
         # With CPU offload the master shard lives in (pinned) host memory; on a CPU compute device
         # that is where it is anyway, and nothing changes.
+        self.compute_device = device  # where the full parameter and the collectives live
         self.offloaded = offload and device.type != "cpu"
         self.copies = SideCopies.for_device(device) if self.offloaded and device.type == "cuda" else None
         self._grad_copy = None
@@ -569,7 +570,12 @@ def make_no_shard_bucketer(
     chosen = [
         (name, h)
         for name, h in items
-        if h.requires_grad and h.spec.world_size == 1 and h.comm.replicate_group is not None
+        # an offloaded CUDA handle keeps its gradient on the device until reduced (the engine's
+        # buckets live where the flat parameters are between steps: the host, which NCCL cannot send)
+        if h.requires_grad
+        and h.spec.world_size == 1
+        and h.comm.replicate_group is not None
+        and h.copies is None
     ]
     if not chosen:
         return None, {}

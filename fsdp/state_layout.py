@@ -312,10 +312,12 @@ def empty_sharded(
 
 def gather_full_flat(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
     """All-gather a shard-shaped tensor of ``handle`` (its flat parameter, or optimizer state like it) over
-    the shard group; return the unpadded full flat tensor, shape ``(meta.numel,)``. Collective."""
+    the shard group; return the unpadded full flat tensor, shape ``(meta.numel,)``, on the compute
+    device (an offloaded shard is on the host, which NCCL cannot send from). Collective."""
     assert tuple(shard.shape) == (handle.spec.chunk,), f"{tuple(shard.shape)} is not a shard of {handle.spec}"
-    out = torch.empty(handle.spec.padded_numel, dtype=shard.dtype, device=shard.device)
-    all_gather(out, shard.detach().contiguous(), handle.comm.process_group, handle.stats).wait()
+    device = handle.compute_device
+    out = torch.empty(handle.spec.padded_numel, dtype=shard.dtype, device=device)
+    all_gather(out, shard.detach().to(device).contiguous(), handle.comm.process_group, handle.stats).wait()
     return out[: handle.meta.numel]
 
 
@@ -346,7 +348,7 @@ def shard_writes(
     every row-sharded parameter of the handle, back to back, padded to the longest rank's length.
     """
     slots = layout.slots(handle)
-    device = handle.flat_param.device
+    device = handle.compute_device  # not the (possibly offloaded) shard's: the collective runs here
     full_of: dict[int, torch.Tensor] = {}
     rows_at = [i for i, v in enumerate(values) if v is not None and _is_rows(v, layout)]
     if rows_at:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 from fsdp import FullyShardedDataParallel as FSDP
 
 
@@ -78,7 +80,8 @@ def main() -> int:
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)
-    gemm_streams = streams_of(trace, "kernel", ("gemm",))
+    # cuBLAS names its matrix-product kernels *gemm*, or nvjet_* / *xmma* / cutlass_* on recent GPUs
+    gemm_streams = streams_of(trace, "kernel", ("gemm", "nvjet", "xmma", "cutlass"))
     copy_streams = streams_of(trace, "gpu_memcpy", ("htod", "dtoh"))  # host<->device only
     report["gemm_streams"] = sorted(gemm_streams)
     report["copy_streams"] = sorted(copy_streams)

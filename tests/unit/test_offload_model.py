@@ -656,6 +656,7 @@ def test_cuda_parity_and_peak_memory(checkpoint_activation: bool) -> None:
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     slice_bytes = param_bytes // 4
     activation_bytes = 16 * x.numel() * x.element_size()  # every Linear and ReLU output
-    # At most two slices of parameters and one of gradients, plus activations (and their grads).
-    assert peak_off < 3 * slice_bytes + 2 * activation_bytes, (peak_off, slice_bytes, activation_bytes)
+    # Two slices of parameters and one of gradients, plus activations (and their grads); half a slice
+    # of slack for a micro-batch's weight gradient before it is added and the allocator's rounding.
+    assert peak_off < 3.5 * slice_bytes + 2 * activation_bytes, (peak_off, slice_bytes, activation_bytes)
     assert peak_off < 0.6 * (param_bytes + peak_ref), (peak_off, param_bytes, peak_ref)
