@@ -570,10 +570,12 @@ class FullyShardedDataParallel(nn.Module):
                 check_same_reductions_on_all_ranks(self, ctx.wrappers)
                 if ctx.bucketer is not None:
                     finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
-            for w in ctx.wrappers:
-                for h in w.handles:
-                    h.finalize_gradient()
-                    h.reshard(free_full=ctx.sync)
+            handles = [h for w in ctx.wrappers for h in w.handles]
+            for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
+                h.finalize_gradient(asynchronous=True)
+            for h in handles:
+                h.finalize_gradient()
+                h.reshard(free_full=ctx.sync)
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()

@@ -105,7 +105,7 @@ def test_side_copies_change_nothing(pool: RankPool) -> None:
             assert r["to_device"] == gathers, r
         else:
             assert r["to_device"] == 0 and r["side"] == gathers + r["to_host"], r
-        # during backward the copies of the two units reduced first are left in flight; the last
-        # unit's is finished by the end-of-backward callback
-        assert r["deferred"] == 2 * 4, r
+        # no copy is waited for when it is queued: the two units reduced first queue theirs during
+        # backward, and the end-of-backward callback queues the last one before it waits for any
+        assert r["deferred"] == 3 * 4, r
         assert not any(r["left"]), r
