@@ -107,6 +107,12 @@ def time_target(num: str, den: str, size: str, cuda: bool) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------ set-up
+# Sequences per rank and step. On a GPU, 8 x 64 tokens of these small models take well under a
+# millisecond of device time, so every variant would measure its host overhead (kernel launches,
+# hooks) rather than training; 256 sequences keep the device busy for milliseconds per step.
+CPU_BATCH, CUDA_BATCH = 8, 256
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -114,7 +120,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sizes", type=str, default="7M,35M", help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--rounds", type=int, default=8, help="timed, interleaved rounds per size")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per rank (default {CPU_BATCH} on the CPU, {CUDA_BATCH} on CUDA)",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--vocab", type=int, default=96)
     p.add_argument("--seed", type=int, default=1337)
@@ -706,6 +717,8 @@ def main() -> None:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+    if args.batch_size is None:
+        args.batch_size = CUDA_BATCH if cuda else CPU_BATCH
     if args.rounds < 1 or args.warmup < 1:
         raise SystemExit("--rounds and --warmup must be at least 1")
     example = load_example()
