@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
+from torch.profiler import record_function as _record_function
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
@@ -66,6 +66,12 @@ from fsdp.topology import reduce_scatter_group, resolve_groups, resolve_strategy
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
 log = logging.getLogger(__name__)
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
+def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A profiler range named ``name`` (``FSDP::<phase>``); free when no profiler is recording."""
+    return _record_function(name) if _profiling() else contextlib.nullcontext()
 
 
 class _RootContext:
