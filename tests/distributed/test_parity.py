@@ -46,8 +46,9 @@ def test_parity_default_options(pool: RankPool, case: str) -> None:
         {"disable_reshard_on_root": False},
         {"process_group_reduce_scatter": "default"},
         {"gradient_predivide_factor": 1.0},
-        {"move_params_to_cpu": True},
-        {"cpu_offload": True, "move_grads_to_cpu": True},
+        # compute stays on the CPU even where CUDA exists (offload alone would pick the GPU)
+        {"move_params_to_cpu": True, "compute_device": "cpu"},
+        {"cpu_offload": True, "move_grads_to_cpu": True, "compute_device": "cpu"},
     ],
     ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()),
 )
