@@ -200,21 +200,22 @@ def is_accelerator(device: torch.device) -> bool:
 
 
 def default_compute_device(
-    param_devices: set[torch.device], fallback: set[torch.device] | None = None, offload: bool = False
+    param_devices: set[torch.device], fallback: set[torch.device] | None = None, prefer_cuda: bool = False
 ) -> torch.device:
     """The compute device when the user names none: where the parameters already live.
 
     A module with no parameters of its own uses ``fallback`` (e.g. the devices of its inner
-    wrappers) when that names one device. With ``offload`` (``move_params_to_cpu``) and parameters
-    on the CPU, the current CUDA device if there is one: offloading is for computing elsewhere, and
-    it is fairscale's default. Otherwise the current CUDA device if there is one, else the CPU.
+    wrappers) when that names one device. With ``prefer_cuda`` and parameters on the CPU, the current
+    CUDA device if there is one: FSDP sets it for offload (``move_params_to_cpu``: offloading is for
+    computing elsewhere, fairscale's default) and for a process group that sends only CUDA tensors
+    (NCCL). Otherwise the current CUDA device if there is one, else the CPU.
     """
     devices = param_devices or fallback or set()
     if len(devices) == 1:
         (device,) = devices
         if device.type == "cuda" and device.index is None:
             return torch.device("cuda", torch.cuda.current_device())
-        if not (offload and device.type == "cpu" and torch.cuda.is_available()):
+        if not (prefer_cuda and device.type == "cpu" and torch.cuda.is_available()):
             return device
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -61,7 +61,7 @@ from fsdp.handle import FlatParamHandle, clip_grad_norm_, finish_no_shard_bucket
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
-from fsdp.topology import reduce_scatter_group, resolve_groups, resolve_strategy
+from fsdp.topology import backend_is_cuda_only, reduce_scatter_group, resolve_groups, resolve_strategy
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
@@ -213,7 +213,11 @@ class FullyShardedDataParallel(nn.Module):
         device = (
             torch.device(compute_device)
             if compute_device is not None
-            else default_compute_device(devices, {w.compute_device for _, w in inner}, params_to_cpu)
+            else default_compute_device(
+                devices,
+                {w.compute_device for _, w in inner},
+                params_to_cpu or backend_is_cuda_only(groups.dp),
+            )
         )
         precision = resolve_precision(
             mixed_precision,

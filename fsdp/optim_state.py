@@ -399,7 +399,9 @@ def sharded_optim_state_dict_template(
         if isinstance(md, BytesStorageMetadata):
             value: Any = None
         elif isinstance(md, TensorStorageMetadata) and tuple(md.size) == ():
-            value = torch.empty((), dtype=md.properties.dtype, device=layout.device)
+            # a scalar (Adam's step) stays on the CPU, where torch optimizers keep it unless they
+            # are fused or capturable (their load_state_dict moves it to the parameter's device)
+            value = torch.empty((), dtype=md.properties.dtype)
         elif isinstance(md, TensorStorageMetadata) and tuple(md.size) == slot.shape:
             value = empty_sharded(slot.shape, md.properties.dtype, layout, mesh)
         else:

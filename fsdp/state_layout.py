@@ -316,6 +316,8 @@ def gather_full_flat(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tens
     device (an offloaded shard is on the host, which NCCL cannot send from). Collective."""
     assert tuple(shard.shape) == (handle.spec.chunk,), f"{tuple(shard.shape)} is not a shard of {handle.spec}"
     device = handle.compute_device
+    if handle.spec.world_size == 1:  # not sharded (NO_SHARD, or a group of one): the shard is whole
+        return shard.detach().to(device)[: handle.meta.numel]
     out = torch.empty(handle.spec.padded_numel, dtype=shard.dtype, device=device)
     all_gather(out, shard.detach().to(device).contiguous(), handle.comm.process_group, handle.stats).wait()
     return out[: handle.meta.numel]

@@ -15,7 +15,13 @@ import torch.distributed as dist
 from fsdp.api import ProcessGroupName, ShardingStrategy
 from fsdp.collectives import get_process_group_cached, hybrid_groups
 
-__all__ = ["ProcessGroups", "reduce_scatter_group", "resolve_groups", "resolve_strategy"]
+__all__ = [
+    "ProcessGroups",
+    "backend_is_cuda_only",
+    "reduce_scatter_group",
+    "resolve_groups",
+    "resolve_strategy",
+]
 
 
 def resolve_strategy(strategy: Any, reshard_after_forward: bool) -> tuple[ShardingStrategy, bool]:
@@ -48,6 +54,11 @@ class ProcessGroups(NamedTuple):
     shard_rank: int
     replicate: dist.ProcessGroup | None  # gradient shards are all-reduced over it
     dp: dist.ProcessGroup  # every rank training the model
+
+
+def backend_is_cuda_only(group: Any) -> bool:
+    """Whether ``group`` can send CUDA tensors only (NCCL alone, with no CPU backend beside it)."""
+    return str(dist.get_backend(group)).lower() in ("nccl", "cuda:nccl")
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGroups:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp import ShardingStrategy, latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.checkpoint_io import COMMIT_MARKER, CheckpointError
 from fsdp.consolidate import main as consolidate_main
 from tests.checkpointing import (
@@ -40,8 +40,8 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------- save, zero, load
-def _save_zero_load(tmp: str, case: str) -> dict[str, Any]:
-    ref, model = make(case, seed=1)
+def _save_zero_load(tmp: str, case: str, **fsdp_kwargs: Any) -> dict[str, Any]:
+    ref, model = make(case, seed=1, **fsdp_kwargs)
     opt, ref_opt = _adam(model.parameters()), _adam(ref.parameters())
     diffs: dict[str, Any] = {"loss": 0.0, "param": 0.0}
 
@@ -71,6 +71,8 @@ def _save_zero_load(tmp: str, case: str) -> dict[str, Any]:
     model.load_local_state_dict(local)
     opt.load_state_dict(local_opt)
     lockstep(range(4, 6))
+    full = model.gather_full_optim_state_dict(opt)  # rank 0 only
+    diffs["gathered"] = None if full is None else optim_diff(full, ref_opt.state_dict())
     return diffs
 
 
@@ -84,12 +86,24 @@ def _roundtrip(obj: Any) -> Any:
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
-@pytest.mark.parametrize("case", ["buffers", "tiny"])
-def test_save_zero_load_continues_exactly(pool: RankPool, case: str, tmp_path: Path) -> None:
-    for r in pool.run(_save_zero_load, str(tmp_path), case):
+@pytest.mark.parametrize(
+    ("case", "strategy"),
+    [
+        ("buffers", ShardingStrategy.FULL_SHARD),
+        ("tiny", ShardingStrategy.FULL_SHARD),
+        ("tiny", ShardingStrategy.NO_SHARD),
+    ],
+)
+def test_save_zero_load_continues_exactly(
+    pool: RankPool, case: str, strategy: ShardingStrategy, tmp_path: Path
+) -> None:
+    results = pool.run(_save_zero_load, str(tmp_path), case, sharding_strategy=strategy)
+    for rank, r in enumerate(results):
         assert r["zeroed_differs"], "zeroing must change the model (else the test proves nothing)"
         assert r["extra"] == {"step": 2}
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+        assert (r["gathered"] is None) == (rank != 0)
+        assert rank != 0 or r["gathered"] < 1e-5, r
 
 
 # ---------------------------------------------------------------------- resume at another world size

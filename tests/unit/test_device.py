@@ -28,7 +28,7 @@ def test_without_cuda_everything_computes_on_the_cpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     assert default_compute_device({CPU}) == CPU
-    assert default_compute_device({CPU}, offload=True) == CPU
+    assert default_compute_device({CPU}, prefer_cuda=True) == CPU
     assert default_compute_device(set()) == CPU
 
 
@@ -36,9 +36,9 @@ def test_without_cuda_everything_computes_on_the_cpu() -> None:
 def test_parameters_decide_unless_offloaded_from_the_cpu() -> None:
     assert default_compute_device({CPU}) == CPU
     assert default_compute_device({torch.device("cuda")}) == CUDA1  # no index: the current device
-    assert default_compute_device({torch.device("cuda", 0)}, offload=True) == torch.device("cuda", 0)
+    assert default_compute_device({torch.device("cuda", 0)}, prefer_cuda=True) == torch.device("cuda", 0)
     # fairscale: FSDP(cpu_model, move_params_to_cpu=True) keeps the shards on the host, computes on CUDA
-    assert default_compute_device({CPU}, offload=True) == CUDA1
+    assert default_compute_device({CPU}, prefer_cuda=True) == CUDA1
 
 
 @pytest.mark.usefixtures("cuda_present")
