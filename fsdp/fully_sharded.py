@@ -121,8 +121,8 @@ class FullyShardedDataParallel(nn.Module):
         disable_reshard_on_root: the root keeps its full parameters from forward to backward.
         flatten_parameters: one flat parameter per (requires_grad, dtype) group; False shards every
             parameter on its own.
-        compute_device: where compute runs; default: where the parameters are (with
-            ``move_params_to_cpu`` and CPU parameters: the current CUDA device if any).
+        compute_device: where compute runs; default: where the parameters are (CPU parameters with
+            ``move_params_to_cpu`` or an NCCL-only group: the current CUDA device if any).
         state_dict_device: where ``state_dict()`` values go; default: the compute device.
         state_dict_on_rank_0_only: rank 0 receives the full state dict, other ranks an empty one.
         gradient_predivide_factor: divide gradients by this before the reduction and by

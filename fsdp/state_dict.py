@@ -283,7 +283,10 @@ def consolidate_shard_weights(
                     f"{where}: {key!r} is sharded over {shard_world} ranks but the shards of rank(s) "
                     f"{sorted(set(range(shard_world)) - set(pieces))} are missing; pass every rank's files"
                 )
-            full = torch.cat([pieces[r] for r in range(shard_world)])
+            parts = [pieces[r] for r in range(shard_world)]
+            if len({p.device for p in parts}) > 1:  # e.g. each rank's file loaded onto its own GPU
+                parts = [p.cpu() for p in parts]
+            full = torch.cat(parts)
             numels = [int(n) for n in pmeta["numels"]]
             if full.numel() != sum(numels):
                 raise ValueError(

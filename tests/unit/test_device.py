@@ -13,6 +13,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp._device import default_compute_device
+from fsdp.topology import backend_is_cuda_only
 
 CPU = torch.device("cpu")
 CUDA1 = torch.device("cuda", 1)
@@ -64,3 +65,11 @@ def test_a_root_without_parameters_of_its_own_stays_with_cpu_inner_wrappers() ->
     root = FSDP(Holder())
     assert root.compute_device == CPU
     assert root.module.scale.device == CPU  # the owned buffer was not sent to the (simulated) GPU
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_only_an_nccl_group_is_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not backend_is_cuda_only(None)  # the gloo group of these tests
+    for backend, cuda_only in (("nccl", True), ("cpu:gloo,cuda:nccl", False), ("gloo", False)):
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None, b=backend: b)
+        assert backend_is_cuda_only(None) is cuda_only
