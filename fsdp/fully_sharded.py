@@ -710,22 +710,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._fsdp_wrapped_module.state_dict(
                     destination=destination, prefix=prefix, keep_vars=keep_vars
                 )
-                for h in self.handles:
-                    clones: dict[int, torch.Tensor | None] = {}
-                    for i, info in enumerate(h.meta.params):
-                        key = prefix + info.fqn
-                        if key in destination:
-                            clones[i] = destination[key].detach().to(device, copy=True) if keep else None
-                            _put(destination, key, clones[i])
-                    for sinfo in h.meta.shared:
-                        key = prefix + sinfo.fqn
-                        if key in destination:
-                            _put(destination, key, clones.get(sinfo.primary))
-                for name, dtype in self._buffer_dtypes.items():
-                    key = prefix + name
-                    value = destination.get(key)
-                    if isinstance(value, torch.Tensor) and value.dtype != dtype:
-                        destination[key] = value.to(dtype)
+                sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
             finally:
                 self._hide_full_params(write_back=False)
         if top:
@@ -904,10 +889,3 @@ def _make_bucketer(root: FullyShardedDataParallel, ctx: _RootContext) -> None:
     ctx.bucketer, ctx.bucket_index = make_no_shard_bucketer(
         items, root.config.comm.bucket_cap_mb, ctx.device, ctx.stats
     )
-
-
-def _put(destination: dict[str, Any], key: str, value: torch.Tensor | None) -> None:
-    if value is None:
-        del destination[key]
-    else:
-        destination[key] = value

@@ -86,6 +86,7 @@ __all__ = [
     "load_sharded_state_dict",
     "local_metadata_dict",
     "local_state_dict",
+    "own_full_values",
     "row_range",
     "shard_writes",
     "sharded_state_dict",
@@ -419,6 +420,43 @@ def load_sharded_state_dict(layout: Layout, state: Mapping[str, Any], strict: bo
         plan.digest,
     )
     return apply_sharded_state_dict(layout, plan)
+
+
+def own_full_values(
+    handles: Sequence[Any],
+    buffer_dtypes: Mapping[str, torch.dtype],
+    destination: dict[str, Any],
+    prefix: str,
+    device: torch.device,
+    keep: bool,
+) -> None:
+    """In a wrapper's part of a full state dict (written while its full parameters are shown),
+    replace the views of its flat parameters by copies on ``device`` (removed where not ``keep``:
+    ``state_dict_on_rank_0_only`` off rank 0), a tied parameter by its primary's copy, and cast its
+    buffers to their state dict dtypes."""
+
+    def put(key: str, value: torch.Tensor | None) -> None:
+        if value is None:
+            del destination[key]
+        else:
+            destination[key] = value
+
+    for h in handles:
+        clones: dict[int, torch.Tensor | None] = {}
+        for i, info in enumerate(h.meta.params):
+            key = prefix + info.fqn
+            if key in destination:
+                clones[i] = destination[key].detach().to(device, copy=True) if keep else None
+                put(key, clones[i])
+        for sinfo in h.meta.shared:
+            key = prefix + sinfo.fqn
+            if key in destination:
+                put(key, clones.get(sinfo.primary))
+    for name, dtype in buffer_dtypes.items():
+        key = prefix + name
+        value = destination.get(key)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            destination[key] = value.to(dtype)
 
 
 def load_full_state_dict(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
