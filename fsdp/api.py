@@ -249,18 +249,22 @@ class ScheduleConfig:
     backward comes next, so it overlaps this unit's gradient computation.
     ``forward_prefetch``: likewise in forward, following the order recorded in the first iteration
     (if a later iteration runs units in another order, forward prefetch stops, with a warning).
+    ``None`` (the default): on where the host computes (CPU), off on CUDA, and a change of order
+    stops it silently. See [Note: prefetch] in fsdp/schedule.py.
     ``limit_all_gathers``: on CUDA, the host waits before gathering a unit while two freed units'
     compute has not finished, so a fast host cannot run ahead and hold many full units; on CPU the
     host runs in step with the computation and it changes nothing.
     """
 
     backward_prefetch: bool = True
-    forward_prefetch: bool = False
+    forward_prefetch: bool | None = None
     limit_all_gathers: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("backward_prefetch", "forward_prefetch", "limit_all_gathers"):
+        for name in ("backward_prefetch", "limit_all_gathers"):
             _check_bool(name, getattr(self, name))
+        if self.forward_prefetch is not None:
+            _check_bool("forward_prefetch", self.forward_prefetch)
 
 
 @dataclass(frozen=True)

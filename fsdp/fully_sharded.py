@@ -171,7 +171,7 @@ class FullyShardedDataParallel(nn.Module):
         sharding_strategy: ShardingStrategy | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         backward_prefetch: bool = True,
-        forward_prefetch: bool = False,
+        forward_prefetch: bool | None = None,
         limit_all_gathers: bool = True,
     ) -> None:
         super().__init__()

@@ -84,20 +84,30 @@ def test_backward_prefetch_gathers_the_next_unit_before_this_one_is_reduced(pool
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-def test_forward_prefetch_gathers_the_next_unit_during_this_ones_forward(pool: RankPool) -> None:
-    first, second = pool.run(_events, {"forward_prefetch": True})[0]
+@pytest.mark.parametrize("forward_prefetch", [True, None])  # None: the default, on for CPU compute
+def test_forward_prefetch_gathers_the_next_unit_during_this_ones_forward(
+    pool: RankPool, forward_prefetch: bool | None
+) -> None:
+    kwargs = {} if forward_prefetch is None else {"forward_prefetch": forward_prefetch}
+    first, second = pool.run(_events, kwargs)[0]
     # the first iteration records the order; from the second, b's gather precedes a's forward
     assert first.index("gather:b") > first.index("forward:a"), first
     assert second.index("gather:b") < second.index("forward:a"), second
 
 
-def _order_change() -> dict[str, Any]:
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_forward_prefetch_off_gathers_each_unit_when_it_starts(pool: RankPool) -> None:
+    for log in pool.run(_events, {"forward_prefetch": False})[0]:
+        assert log.index("gather:b") > log.index("forward:a"), log
+
+
+def _order_change(kwargs: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     ref = _Chain()
     net = copy.deepcopy(ref)
     for name in ("a", "b", "c"):
-        setattr(net, name, FSDP(getattr(net, name), forward_prefetch=True))
-    model = FSDP(net, forward_prefetch=True)
+        setattr(net, name, FSDP(getattr(net, name), **kwargs))
+    model = FSDP(net, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         diffs = []
@@ -113,13 +123,25 @@ def _order_change() -> dict[str, Any]:
                 )
             )
     messages = [str(w.message) for w in caught if "forward prefetch is disabled" in str(w.message)]
-    return {"diff": max(max(d.values()) for d in diffs), "warnings": len(messages)}
+    scheduler = model._ctx.scheduler
+    return {
+        "diff": max(max(d.values()) for d in diffs),
+        "warnings": len(messages),
+        "on": scheduler.forward,
+        "stopped": not scheduler.forward_ok,
+    }
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_forward_prefetch_falls_back_with_one_warning_when_the_order_changes(pool: RankPool) -> None:
-    for r in pool.run(_order_change):
-        assert r["diff"] <= 1e-5 and r["warnings"] == 1, r
+    for r in pool.run(_order_change, {"forward_prefetch": True}):
+        assert r["diff"] <= 1e-5 and r["warnings"] == 1 and r["on"] and r["stopped"], r
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_default_forward_prefetch_falls_back_silently(pool: RankPool) -> None:
+    for r in pool.run(_order_change, {}):
+        assert r["diff"] <= 1e-5 and r["warnings"] == 0 and r["on"] and r["stopped"], r
 
 
 def _profiled() -> list[str]:

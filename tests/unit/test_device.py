@@ -1,4 +1,5 @@
-"""The default compute device: where the parameters are, fairscale's CUDA default under offload.
+"""Defaults that depend on the device: the compute device (where the parameters are, fairscale's
+CUDA default under offload) and forward prefetch.
 
 CUDA is simulated where the choice depends on it (``torch.cuda.is_available`` and
 ``current_device`` patched): the rule is host logic, and the machine running the suite may have no
@@ -12,7 +13,9 @@ import torch
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp._device import default_compute_device
+from fsdp._device import DeviceHandle, default_compute_device
+from fsdp.api import ScheduleConfig
+from fsdp.schedule import Scheduler
 from fsdp.topology import backend_is_cuda_only
 
 CPU = torch.device("cpu")
@@ -73,3 +76,15 @@ def test_only_an_nccl_group_is_cuda_only(monkeypatch: pytest.MonkeyPatch) -> Non
     for backend, cuda_only in (("nccl", True), ("cpu:gloo,cuda:nccl", False), ("gloo", False)):
         monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None, b=backend: b)
         assert backend_is_cuda_only(None) is cuda_only
+
+
+def test_forward_prefetch_defaults_on_where_the_host_computes() -> None:
+    def on(device: str, requested: bool | None) -> bool:
+        return Scheduler(
+            ScheduleConfig(forward_prefetch=requested), DeviceHandle(torch.device(device))
+        ).forward
+
+    assert on("cpu", None) and not on("cuda", None)  # CUDA overlaps through the host running ahead
+    assert on("cuda", True) and not on("cpu", False)
+    with pytest.raises(TypeError):
+        ScheduleConfig(forward_prefetch="yes")  # type: ignore[arg-type]
