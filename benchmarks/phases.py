@@ -8,7 +8,8 @@ thread: autograd, gloo's workers, the kernel's socket copies) and their differen
 process was not running at all: waiting for the other rank or for a free core. It also counts the
 process's minor page faults per step (memory that the allocator had handed back to the OS and
 touches again). The variants are those of ``benchmarks/peers.py`` (same model, wrapping, batches
-and optimizer), plus ``ours_full_fp``: ``ours_full`` with ``forward_prefetch=True``.
+and optimizer), plus ``ours_full_nofp``: ``ours_full`` with ``forward_prefetch=False`` (on by default
+when computing on the CPU).
 
 Rounds are interleaved like ``peers.py``'s; ``--warm K`` first runs K untimed steps of the same
 variant inside each round, so the timed step starts from that variant's own heap rather than from
@@ -86,9 +87,9 @@ def main() -> None:
     torch.manual_seed(1337)
     base = ex.GPT(96, 64, n_layer, n_embd, n_head, 0.0)
     build = peers.builders(torch.device("cpu"), cuda=False)
-    build["ours_full_fp"] = lambda m: peers.Variant(
-        "ours_full_fp",
-        (model := peers.wrap_ours(copy.deepcopy(m), forward_prefetch=True)),
+    build["ours_full_nofp"] = lambda m: peers.Variant(
+        "ours_full_nofp",
+        (model := peers.wrap_ours(copy.deepcopy(m), forward_prefetch=False)),
         torch.optim.AdamW(model.parameters(), lr=1e-3),
         ours=True,
     )

@@ -56,7 +56,7 @@ def test_peers_runs_every_variant_with_exact_bytes_and_one_loss(peers_report: di
 
 
 def test_phases_reports_every_phase_of_every_variant(tmp_path: Path) -> None:
-    variants = "ours_full,ours_full_fp,ddp,local"
+    variants = "ours_full,ours_full_nofp,ddp,local"
     torchrun(
         "phases.py", *"--size 1M --rounds 2 --warm 1 --variants".split(), variants, "--out", str(tmp_path)
     )
