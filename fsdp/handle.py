@@ -204,6 +204,11 @@ class FlatParamHandle:
         return self._full is self._shard
 
     @property
+    def shard_device(self) -> torch.device:
+        """Where the master shard, its gradient and its optimizer state live: the host when offloaded."""
+        return self._shard.device
+
+    @property
     def mixed(self) -> bool:
         """Compute runs in a lower precision than the master shard."""
         return self.compute_dtype != self.meta.dtype

@@ -357,7 +357,9 @@ def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> di
                 if kind == "shard":
                     full = gather_full_flat(h, flat_state[key])
                     for slot in slots:
-                        per_name[slot.name][key] = to_sharded(slot.view(full), layout, mesh)
+                        per_name[slot.name][key] = to_sharded(
+                            slot.view(full), layout, mesh, flat_state[key].device
+                        )
                     del full
                 else:
                     for slot in slots:
@@ -403,7 +405,7 @@ def sharded_optim_state_dict_template(
             # are fused or capturable (their load_state_dict moves it to the parameter's device)
             value = torch.empty((), dtype=md.properties.dtype)
         elif isinstance(md, TensorStorageMetadata) and tuple(md.size) == slot.shape:
-            value = empty_sharded(slot.shape, md.properties.dtype, layout, mesh)
+            value = empty_sharded(slot.shape, md.properties.dtype, layout, mesh, slot.handle.shard_device)
         else:
             problems.append(
                 f"optimizer state {name!r} of {slot.name!r} has shape {tuple(getattr(md, 'size', ()))} in the "

@@ -333,7 +333,7 @@ def sharded_state_dict(layout: Layout) -> dict[str, torch.Tensor]:
     for h in layout.handles():
         full = gather_full_flat(h, h.flat_param.detach())
         for slot in layout.slots(h):
-            out[slot.name] = to_sharded(slot.view(full), layout, mesh)
+            out[slot.name] = to_sharded(slot.view(full), layout, mesh, h.shard_device)
         del full
     for b in layout.buffers:
         out[b.name] = b.tensor.detach().to(b.dtype, copy=True)
@@ -345,7 +345,9 @@ def sharded_state_dict_template(layout: Layout) -> dict[str, torch.Tensor]:
     mesh = layout.mesh()
     out: dict[str, torch.Tensor] = {}
     for slot in layout.params:
-        out[slot.name] = empty_sharded(slot.shape, slot.handle.meta.dtype, layout, mesh)
+        out[slot.name] = empty_sharded(
+            slot.shape, slot.handle.meta.dtype, layout, mesh, slot.handle.shard_device
+        )
     for b in layout.buffers:
         out[b.name] = torch.empty(b.tensor.shape, dtype=b.dtype, device=b.tensor.device)
     return {k: out[k] for k in layout.keys if k in out}

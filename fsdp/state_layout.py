@@ -281,14 +281,19 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def to_sharded(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> torch.Tensor:
-    """A copy of this rank's rows of ``full`` as a ``Shard(0)`` DTensor (a 0-dim tensor: a plain copy)."""
+def to_sharded(
+    full: torch.Tensor, layout: Layout, mesh: DeviceMesh, device: torch.device | None = None
+) -> torch.Tensor:
+    """A copy of this rank's rows of ``full`` as a ``Shard(0)`` DTensor (a 0-dim tensor: a plain copy),
+    its local rows on ``device`` (default: ``full``'s; the host for an offloaded handle, whose full
+    tensor was gathered on the compute device)."""
+    device = full.device if device is None else device
     if full.dim() == 0:
-        return full.detach().clone()
+        return full.detach().to(device, copy=True)
     lo, hi = row_range(full.shape[0], layout.world_size, layout.rank)
     shape = tuple(full.shape)
     return DTensor.from_local(
-        full[lo:hi].detach().clone(),
+        full[lo:hi].detach().to(device, copy=True),
         mesh,
         [Shard(0)],
         run_check=False,
@@ -298,13 +303,19 @@ def to_sharded(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> torch.Te
 
 
 def empty_sharded(
-    shape: tuple[int, ...], dtype: torch.dtype, layout: Layout, mesh: DeviceMesh
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    layout: Layout,
+    mesh: DeviceMesh,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """An uninitialized :func:`to_sharded` of a tensor of ``shape``: a template for DCP to load into."""
+    """An uninitialized :func:`to_sharded` of a tensor of ``shape``, local rows on ``device`` (default
+    ``layout.device``): a template for DCP to load into."""
+    device = layout.device if device is None else device
     if len(shape) == 0:
-        return torch.empty((), dtype=dtype, device=layout.device)
+        return torch.empty((), dtype=dtype, device=device)
     lo, hi = row_range(shape[0], layout.world_size, layout.rank)
-    local = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=layout.device)
+    local = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
     )

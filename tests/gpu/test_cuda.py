@@ -41,3 +41,13 @@ def test_offload_copies_run_on_a_side_stream() -> None:
     for precision in ("fp32", "fp16"):
         assert report[f"{precision}_grads_on_cpu"], report
         assert report[f"{precision}_max_diff"] <= 1e-6, report
+
+
+@pytest.mark.gpu
+def test_offloaded_sharded_checkpoint_stays_on_the_host() -> None:
+    report = _run("offload_checkpoint.py")
+    assert report["sharded_state_devices"] == ["cpu"], report
+    assert report["save_growth_bytes"] <= report["bound_bytes"], report
+    assert report["load_growth_bytes"] <= report["bound_bytes"], report
+    assert report["restored_on_host"], report
+    assert report["losses"][0] == report["losses"][1] and report["max_param_diff_after_step"] == 0.0, report
