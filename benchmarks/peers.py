@@ -13,7 +13,9 @@ per-rank batches with AdamW (one step = forward, backward, ``optimizer.step()``,
   plus the root), fp32 and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``.
 - ``ddp``: torch ``DistributedDataParallel`` (fp32, default buckets).
 - ``local``: no communication at all; each rank trains its own plain copy on its local batch.
-- On CUDA only: ``fairscale``, ``fairscale_bf16``: fairscale 0.4.13's FSDP with the same wrapping.
+- On CUDA (``--fairscale auto``, when it is installed): ``fairscale``, ``fairscale_bf16``: fairscale
+  0.4.13's FSDP with the same wrapping. Its FSDP runs only on CUDA; a peer that fails to build or to
+  train is left out of the run, with the error in the report, and the other variants go on.
 
 How it is measured (see BENCHMARKING.md and docs/performance.md):
 
@@ -130,6 +132,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=96)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out", type=str, default="out/peers")
+    p.add_argument(
+        "--fairscale",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="compare with fairscale's FSDP: auto = on CUDA when installed (it is CUDA-only)",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     return p.parse_args()
 
@@ -179,8 +187,14 @@ def wrap_fairscale(model: nn.Module, **kwargs: Any) -> nn.Module:
 
 BF16 = {"mixed_precision": True, "compute_dtype": torch.bfloat16}
 
+# Peers that are not ours to fix: one that fails to build or to train is left out of the run (the
+# error is reported) rather than ending it, so the other variants are still measured.
+OPTIONAL = ("fairscale", "fairscale_bf16")
 
-def builders(device: torch.device, cuda: bool) -> dict[str, Callable[[nn.Module], Variant]]:
+
+def builders(
+    device: torch.device, cuda: bool, fairscale: str = "auto"
+) -> dict[str, Callable[[nn.Module], Variant]]:
     """name -> function building that variant from a copy of the base model (already on device)."""
 
     def make(
@@ -224,9 +238,10 @@ def builders(device: torch.device, cuda: bool) -> dict[str, Callable[[nn.Module]
         "ddp": make("ddp", lambda m: TorchDDP(m, device_ids=[device.index] if cuda else None)),
         "local": make("local", lambda m: m),
     }
-    if cuda and importlib.util.find_spec("fairscale") is None:
+    wanted = fairscale == "yes" or (fairscale == "auto" and cuda)
+    if wanted and importlib.util.find_spec("fairscale") is None:
         print("fairscale is not installed: no fairscale variants (pip install fairscale==0.4.13)")
-    elif cuda:
+    elif wanted:
         out["fairscale"] = make("fairscale", wrap_fairscale)
         out["fairscale_bf16"] = make("fairscale_bf16", lambda m: wrap_fairscale(m, **BF16), dtype="bf16")
     return out
@@ -422,9 +437,22 @@ def run_size(
     torch.manual_seed(args.seed)
     base = example.GPT(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0).to(device)
     n_params = sum(p.numel() for p in base.parameters())
-    build = builders(device, cuda)
-    variants = {name: b(base) for name, b in build.items()}
-    names = list(variants)
+    build = builders(device, cuda, args.fairscale)
+    dropped: dict[str, str] = {}  # optional peer -> why it was left out
+
+    def drop(name: str, e: Exception) -> None:
+        if name not in OPTIONAL:
+            raise e
+        dropped[name] = f"{type(e).__name__}: {e}"
+        if rank == 0:
+            print(f"[{size}] {name} left out: {dropped[name]}", flush=True)
+
+    variants: dict[str, Variant] = {}
+    for name, b in build.items():
+        try:
+            variants[name] = b(base)
+        except Exception as e:  # an optional peer's failure is reported, not fatal
+            drop(name, e)
     phase("build")
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # per-rank batches, the same for every variant
 
@@ -437,10 +465,17 @@ def run_size(
     first_loss: dict[str, float] = {}
     for w in range(args.warmup):
         x, y = batch()
-        for v in variants.values():
-            loss = train_step(v, x, y)
+        for v in list(variants.values()):
+            try:
+                loss = train_step(v, x, y)
+                sync(device)
+            except Exception as e:
+                drop(v.name, e)
+                del variants[v.name]
+                continue
             if w == 0:
                 first_loss[v.name] = float(loss)
+    names = list(variants)
     phase("warmup")
 
     # ---- interleaved timed rounds; round 0 also counts our collectives (outside the timed window)
@@ -512,7 +547,12 @@ def run_size(
         del variants, v, loss
         gc.collect()
         for name in names:
-            mem[name]["cuda_peak_bytes"] = cuda_isolated_peak(build[name], base, (x, y), args.warmup)
+            try:
+                mem[name]["cuda_peak_bytes"] = cuda_isolated_peak(build[name], base, (x, y), args.warmup)
+            except Exception as e:
+                if name not in OPTIONAL:
+                    raise
+                mem[name]["cuda_peak_error"] = f"{type(e).__name__}: {e}"  # its timings stand
     else:
         del variants
         gc.collect()
@@ -525,6 +565,7 @@ def run_size(
         "n_head": n_head,
         "params": n_params,
         "variants": names,
+        "left_out": dropped,
         "median_step_ms": {n: 1000 * statistics.median(t) for n, t in slowest.items()},
         "per_round_step_s": slowest,
         "median_cpu_ms": {n: 1000 * statistics.median(t) for n, t in cpu.items()},
@@ -635,6 +676,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{c['sent_per_rank_bytes']:,} | {c['formula_bytes']:,} | {over} |"
             )
         lines.append("")
+        for n, why in s.get("left_out", {}).items():
+            lines += [f"Left out: {n} ({why}).", ""]
         ours = max(s["memory"]["ours_full"]["tracked_peak_bytes_per_rank"])
         theirs = max(s["memory"]["fsdp2"]["tracked_peak_bytes_per_rank"])
         verdict = (
@@ -656,17 +699,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     sizes = result["sizes"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
-    keys = list(sizes[0]["ratios"])
+    keys = list(dict.fromkeys(k for s in sizes for k in s["ratios"]))  # a left-out peer: no bar
     width = 0.8 / len(sizes)
     for i, s in enumerate(sizes):
-        xs = [k + i * width for k in range(len(keys))]
-        med = [s["ratios"][k]["median"] for k in keys]
+        present = [(j, k) for j, k in enumerate(keys) if k in s["ratios"]]
+        xs = [j + i * width for j, _ in present]
+        med = [s["ratios"][k]["median"] for _, k in present]
         iqr = [
-            [m - s["ratios"][k]["q1"] for m, k in zip(med, keys)],
-            [s["ratios"][k]["q3"] - m for m, k in zip(med, keys)],
+            [m - s["ratios"][k]["q1"] for m, (_, k) in zip(med, present)],
+            [s["ratios"][k]["q3"] - m for m, (_, k) in zip(med, present)],
         ]
         ax1.bar(xs, med, width, yerr=iqr, capsize=2, label=s["size"])
-        for xpos, k in zip(xs, keys):
+        for xpos, (_, k) in zip(xs, present):
             t = s["ratios"][k]["target_max"]
             if t is not None:
                 ax1.plot([xpos - width / 2, xpos + width / 2], [t, t], color="k", lw=2)
@@ -676,12 +720,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_ylabel("median paired step-time ratio")
     ax1.set_title("step-time ratios, median and quartiles (black bars: targets)")
     ax1.legend()
-    names = sizes[0]["variants"]
+    names = list(dict.fromkeys(n for s in sizes for n in s["variants"]))
     for i, s in enumerate(sizes):
-        xs = [k + i * width for k in range(len(names))]
+        here = [(j, n) for j, n in enumerate(names) if n in s["memory"]]
         ax2.bar(
-            xs,
-            [max(s["memory"][n]["tracked_peak_bytes_per_rank"]) / 2**20 for n in names],
+            [j + i * width for j, _ in here],
+            [max(s["memory"][n]["tracked_peak_bytes_per_rank"]) / 2**20 for _, n in here],
             width,
             label=s["size"],
         )
