@@ -225,9 +225,13 @@ def main() -> int:
         f"model: {sizes['layers']} x Linear({sizes['width']}, {sizes['width']}) + ReLU, "
         f"{param_mib:.1f} MiB fp32 parameters; batch {sizes['batch']}; device {device_name}"
     )
-    if not dist.is_initialized():  # FSDP rows run at world size 1
+    own_group = not dist.is_initialized()
+    if own_group:  # FSDP rows run at world size 1
         store = dist.HashStore()
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    if cuda:  # cuBLAS allocates its workspace at the first matrix product: not the plain row's
+        torch.ones(8, 8, device=device).mm(torch.ones(8, 8, device=device))
+        sync(device)
     rows = run(device=device, **sizes)
     print(table(rows))
     if args.out is not None:
@@ -241,6 +245,8 @@ def main() -> int:
         }
         args.out.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
+    if own_group:
+        dist.destroy_process_group()
     return 0
 
 

@@ -489,13 +489,19 @@ def run_size(
                 v.model.reset_comm_stats()  # type: ignore[operator]
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            loss = train_step(v, x, y)
-            sync(device)
+            try:
+                loss = train_step(v, x, y)
+                sync(device)
+            except Exception as e:
+                drop(name, e)
+                del variants[name]
+                continue
             v.times.append(time.perf_counter() - t0)
             v.cpu.append(time.process_time() - c0)
             last_loss[name] = float(loss)
             if v.ours and r == 0:
                 comm[name] = comm_report(v, v.model.comm_stats(), n_params, world)  # type: ignore[operator]
+        names = [n for n in names if n in variants]
         if rank == 0:
             print(f"[{size}] round {r + 1}/{args.rounds}", flush=True)
 
@@ -503,7 +509,14 @@ def run_size(
 
     # ---- memory: one step per variant, alone under the tracker
     x, y = batch()
-    memory: dict[str, Any] = {name: tracked_step(variants[name], x, y, device) for name in names}
+    memory: dict[str, Any] = {}
+    for name in list(names):
+        try:
+            memory[name] = tracked_step(variants[name], x, y, device)
+        except Exception as e:
+            drop(name, e)
+            del variants[name]
+    names = [n for n in names if n in variants]
     phase("memory")
 
     gathered: list[Any] = [None] * world

@@ -350,7 +350,8 @@ class _Engine:
         record = _SliceRecord(index=index, rows=rows, generation=sl.generation)
         if self.config.checkpoint_activation:
             if sl.buffer_names:
-                record.buffer_snapshot = [b.clone() for b in sl.master_buffers()]
+                # pinned on CUDA, so the recompute's copy to the device does not block the host
+                record.buffer_snapshot = [self._empty_offload(b).copy_(b) for b in sl.master_buffers()]
             device_type = self.config.device.type
             record.autocast = _AutocastState(
                 torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
@@ -484,8 +485,6 @@ class _Engine:
         tensors = sl.aliases(needs_param_grads, snapshot)
         leaves = [tensors[name] for name in sl.param_names]
         wanted = [i for i, needs in enumerate(needs_param_grads) if needs]
-        grads: list[torch.Tensor | None] = [None] * len(sl.param_names)
-        owned = [False] * len(sl.param_names)  # grads[i] is ours to add into in place
         grad_x_parts: list[torch.Tensor] = []
         x_dev = x.to(device, non_blocking=True)
         assert record.autocast is not None
@@ -501,25 +500,16 @@ class _Engine:
                 out = sl.run(x_leaf, tensors)
             inputs = [leaves[j] for j in wanted] + ([x_leaf] if needs_x_grad else [])
             if out.requires_grad and inputs:
-                result: Sequence[torch.Tensor | None] = torch.autograd.grad(
-                    out, inputs, g_mb, allow_unused=True
-                )
-            else:
-                result = [None] * len(inputs)
-            for j, g in zip(wanted, result):
-                if g is None:
-                    continue
-                current = grads[j]
-                if current is None:
-                    grads[j] = g
-                elif owned[j]:
-                    current.add_(g)
-                else:
-                    grads[j] = current + g
-                    owned[j] = True
+                # into the leaves' .grad (fresh aliases: None before the first micro-batch), which
+                # autograd adds each later micro-batch's gradient into in place: the device holds one
+                # slice of gradients, not one per micro-batch plus their sum
+                torch.autograd.backward(out, g_mb, inputs=inputs)
             if needs_x_grad:
-                gx = result[-1]
+                gx = x_leaf.grad
                 grad_x_parts.append(gx if gx is not None else torch.zeros_like(x_mb))
+        grads: list[torch.Tensor | None] = [None] * len(sl.param_names)
+        for j in wanted:
+            grads[j] = leaves[j].grad
         grad_x = None
         if needs_x_grad:
             grad_x = grad_x_parts[0] if len(grad_x_parts) == 1 else torch.cat(grad_x_parts)

@@ -459,8 +459,8 @@ class FullyShardedDataParallel(nn.Module):
                 keep_full = grad_enabled and (not self._reshard_after_forward or not self._ctx.sync)
                 for h in self.handles:
                     h.reshard(free_full=not keep_full)
-                if not keep_full and self.handles:
-                    scheduler.freed()
+                if not keep_full and any(not h.aliased for h in self.handles):
+                    scheduler.freed()  # (an aliased handle frees nothing: no event to throttle on)
                 if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
                     SideCopies.synchronize_all()  # no backward follows to wait for the host copies
             if grad_enabled:
@@ -555,7 +555,8 @@ class FullyShardedDataParallel(nn.Module):
                     ctx.in_flight.append(handle)
                 while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
                     ctx.in_flight.popleft().finalize_gradient(asynchronous=True)
-            ctx.scheduler.freed()
+            if not handle.aliased:
+                ctx.scheduler.freed()
             if index is not None:
                 assert ctx.bucketer is not None
                 ctx.bucketer.grad_ready(index)

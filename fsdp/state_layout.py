@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp.collectives import all_gather
 from fsdp.flat_param import ParamInfo
@@ -281,6 +282,17 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> DTensor:
+    """``local`` as this rank's rows of a ``Shard(0)`` DTensor of ``shape``, left where it is.
+
+    ``DTensor.from_local`` would copy host rows to the mesh's device (CUDA under offload); the
+    constructor keeps them on the host, as torch's FSDP2 does for its offloaded parameters.
+    """
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
+    spec = DTensorSpec(mesh=mesh, placements=(Shard(0),), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
 def to_sharded(
     full: torch.Tensor, layout: Layout, mesh: DeviceMesh, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -291,15 +303,7 @@ def to_sharded(
     if full.dim() == 0:
         return full.detach().to(device, copy=True)
     lo, hi = row_range(full.shape[0], layout.world_size, layout.rank)
-    shape = tuple(full.shape)
-    return DTensor.from_local(
-        full[lo:hi].detach().to(device, copy=True),
-        mesh,
-        [Shard(0)],
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=_contiguous_stride(shape),
-    )
+    return _row_sharded(full[lo:hi].detach().to(device, copy=True), mesh, tuple(full.shape))
 
 
 def empty_sharded(
@@ -316,9 +320,7 @@ def empty_sharded(
         return torch.empty((), dtype=dtype, device=device)
     lo, hi = row_range(shape[0], layout.world_size, layout.rank)
     local = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
-    )
+    return _row_sharded(local, mesh, shape)
 
 
 def gather_full_flat(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(script: str) -> dict:
-    """Run tests/gpu/<script> under torchrun at world size 1; its last stdout line is a JSON report."""
+    """Run tests/gpu/<script> under torchrun at world size 1; it prints a JSON report line."""
     cmd = [
         sys.executable,
         "-m",
@@ -24,7 +24,8 @@ def _run(script: str) -> dict:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the last JSON line: torch or NCCL may print after it
+    report: dict = json.loads(next(s for s in reversed(proc.stdout.splitlines()) if s.startswith("{")))
     return report
 
 

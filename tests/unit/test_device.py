@@ -88,3 +88,53 @@ def test_forward_prefetch_defaults_on_where_the_host_computes() -> None:
     assert on("cuda", True) and not on("cpu", False)
     with pytest.raises(TypeError):
         ScheduleConfig(forward_prefetch="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_gather_limiter_waits_only_on_units_that_free_memory(
+    monkeypatch: pytest.MonkeyPatch, mixed: bool
+) -> None:
+    # CUDA's events simulated: the limiter records one at each free and blocks the host on the
+    # second-to-last before a gather. At world size 1 in fp32 a unit's full parameter *is* its shard:
+    # nothing is freed, so a wait would only stall the host behind the device for nothing.
+    recorded: list[object] = []
+    waited: list[object] = []
+
+    def record_event(self: DeviceHandle, stream: object) -> object:
+        recorded.append(object())
+        return recorded[-1]
+
+    monkeypatch.setattr(DeviceHandle, "record_event", record_event)
+    monkeypatch.setattr(DeviceHandle, "synchronize_event", lambda self, event: waited.append(event))
+    torch.manual_seed(0)
+    kwargs = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed else {}
+    model = FSDP(nn.Sequential(*[FSDP(nn.Linear(8, 8), **kwargs) for _ in range(4)]), **kwargs)
+    for _ in range(2):
+        model(torch.randn(2, 8)).float().sum().backward()
+    if mixed:  # every inner unit frees its compute-dtype copy after forward and after backward
+        assert len(recorded) >= 2 * 2 * 4 and waited and set(map(id, waited)) <= set(map(id, recorded))
+    else:
+        assert recorded == [] and waited == []
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_sharded_values_keep_host_rows_on_a_cuda_mesh() -> None:
+    # Under CPU offload the sharded state dicts' rows stay where the shards live, the host, while the
+    # mesh is the compute device's (CUDA). DTensor.from_local would copy them to the mesh's device:
+    # the whole rank's state on the GPU at once. No tensor is put on the (absent) GPU here.
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp.state_layout import empty_sharded, to_sharded
+
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cuda")
+    layout = SimpleNamespace(world_size=1, rank=0, device=CUDA1)
+    full = torch.arange(12.0).view(4, 3)
+    rows = to_sharded(full, layout, mesh, CPU)  # type: ignore[arg-type]
+    template = empty_sharded((4, 3), torch.float32, layout, mesh, CPU)  # type: ignore[arg-type]
+    for value in (rows, template):
+        assert value.device_mesh.device_type == "cuda" and value.to_local().device == CPU
+        assert tuple(value.shape) == (4, 3)
+    assert torch.equal(rows.to_local(), full) and rows.to_local().data_ptr() != full.data_ptr()

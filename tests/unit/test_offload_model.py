@@ -117,7 +117,7 @@ def _assert_ran_on_copies(off: OffloadModel) -> Callable[[], None]:
 
 
 def _loss(y: torch.Tensor) -> torch.Tensor:
-    return (y * torch.arange(1, y.shape[-1] + 1, dtype=y.dtype)).square().mean()
+    return (y * torch.arange(1, y.shape[-1] + 1, dtype=y.dtype, device=y.device)).square().mean()
 
 
 def _train_and_compare(
