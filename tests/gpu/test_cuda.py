@@ -52,3 +52,15 @@ def test_offloaded_sharded_checkpoint_stays_on_the_host() -> None:
     assert report["load_growth_bytes"] <= report["bound_bytes"], report
     assert report["restored_on_host"], report
     assert report["losses"][0] == report["losses"][1] and report["max_param_diff_after_step"] == 0.0, report
+
+
+@pytest.mark.gpu
+def test_data_parallel_clipping_and_grad_scaler_on_cuda() -> None:
+    report = _run("cuda_training.py")
+    assert report["ddp_max_diff"] <= 1e-6 and report["ddp_two_streams_max_diff"] <= 1e-6, report
+    ours, theirs, after = report["clip_norm_ours_theirs_after"]
+    assert abs(ours - theirs) <= 1e-4 * theirs and abs(after - 1.0) <= 1e-3, report
+    for key, home in (("scaler", "cuda"), ("scaler_offload", "cpu")):
+        r = report[key]
+        assert r["skipped_overflow"] and r["scale_after_overflow"] == 2.0**9, report
+        assert r["trained_after"] and r["grad_devices"] == [home], report
