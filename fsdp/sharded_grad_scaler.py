@@ -8,6 +8,7 @@ drift apart. This scaler all-reduces the finding over the process group before a
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -52,15 +53,37 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        # Pure fp16 training has fp16 gradients; the check and unscale work on them as well.
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        """torch's unscale, with two differences. fp16 gradients are accepted (pure fp16 training).
+        And ``inv_scale`` and ``found_inf`` reach gradients on another device (the host, under CPU
+        offload) through blocking copies: torch's copies them with ``non_blocking=True``, so from
+        CUDA to the host the CPU kernel could read the scale before it arrives, and a late copy of
+        ``found_inf = 0`` could overwrite the overflow the kernel found."""
+        per_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    grad = p.grad
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:  # fp16 sums of duplicate indices may overflow
+                            p.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    per_device[grad.device][grad.dtype].append(grad)
+            found: dict[torch.device, torch.Tensor] = {}
+            for device, per_dtype in per_device.items():
+                same = device == found_inf.device
+                flag = found_inf if same else torch.zeros_like(found_inf, device=device)
+                scale = inv_scale if device == inv_scale.device else inv_scale.to(device)  # blocking
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale)
+                found[device] = flag
+        return found
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._enabled:
-            return
-        super().unscale_(optimizer)
-        state: dict[str, Any] = self._per_optimizer_states[id(optimizer)]
-        found: dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
+    def _agree(self, found: dict[torch.device, torch.Tensor]) -> None:
+        """Make ``found`` (inf/nan flags per device) the same on every rank: the max over the group."""
         scale = self._scale
         assert scale is not None
         # One tensor per rank whatever devices its gradients are on, so every rank joins one all-reduce.
@@ -74,3 +97,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
             value.copy_(total.to(device))
         if not found:
             found[total.device] = total
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._enabled:
+            return
+        super().unscale_(optimizer)
+        self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # the path of optimizers that unscale inside their step (fused Adam): agreed as well
+        found: dict[str, Any] = super()._check_inf_per_device(optimizer)
+        self._agree(found)  # type: ignore[arg-type]
+        return found

@@ -217,15 +217,20 @@ def test_under_torch_autocast(pool: RankPool) -> None:
     assert max(pool.run(_autocast_parity)) < 2e-2  # bf16 autocast on both sides; reduction order differs
 
 
-def _scaler_run() -> dict[str, Any]:
+def _scaler_run(fused: bool) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     net = copy.deepcopy(ref)
     net[0] = FSDP(net[0])
     model = FSDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    if fused:  # unscales inside its step: the scaler only checks, through _check_inf_per_device
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+        ref_opt: torch.optim.Optimizer = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)
+        assert getattr(opt, "_step_supports_amp_scaling", False)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=1000)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
     scales, skipped = [], []
@@ -253,8 +258,9 @@ def _scaler_run() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
-def test_sharded_grad_scaler_skips_the_same_step_on_every_rank(pool: RankPool) -> None:
-    results = pool.run(_scaler_run)
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adam"])
+def test_sharded_grad_scaler_skips_the_same_step_on_every_rank(pool: RankPool, fused: bool) -> None:
+    results = pool.run(_scaler_run, fused)
     for r in results:
         assert r["skipped"] == [False, False, True, False, False], r
         assert r["scales"] == [256.0, 256.0, 128.0, 128.0, 128.0]
