@@ -578,9 +578,12 @@ class FullyShardedDataParallel(nn.Module):
         ctx.callback_queued = False
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
-                check_same_reductions_on_all_ranks(self, ctx.wrappers)
                 if ctx.bucketer is not None:
+                    # first: a rank that skipped a unit whose bucket others already sent sends it now
+                    # (zeros), so the check's all-reduce below pairs with the check's on every rank
+                    # (NO_SHARD buckets and the check share the data-parallel group)
                     finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
+                check_same_reductions_on_all_ranks(self, ctx.wrappers)
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)

@@ -603,8 +603,9 @@ def make_no_shard_bucketer(
 
 
 def finish_no_shard_buckets(bucketer: GradBucketer, index: dict[int, int], units: Sequence[Any]) -> None:
-    """Hand the bucket engine the flat parameters that got no gradient this backward (on every rank,
-    as the end-of-backward consistency check ensured), then wait for every bucket."""
+    """Hand the bucket engine the flat parameters that got no gradient this backward (zeros stand in,
+    so every rank launches every bucket), then wait for every bucket. Runs before the end-of-backward
+    consistency check, which then reports a rank that skipped parameters the others reduced."""
     for unit in units:
         for h in unit.handles:
             i = index.get(id(h))

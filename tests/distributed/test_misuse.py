@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import ShardingStrategy
 from tests.rank_pool import RankFailure, RankPool
 
 
@@ -61,18 +62,24 @@ def test_backward_with_create_graph_is_refused(pool: RankPool) -> None:
 
 
 class _TwoUnits(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, **kwargs: object) -> None:
         super().__init__()
-        self.a = FSDP(nn.Linear(4, 4), reshard_after_forward=False)
-        self.b = FSDP(nn.Linear(4, 4), reshard_after_forward=False)
+        kwargs = kwargs or {"reshard_after_forward": False}
+        self.a = FSDP(nn.Linear(4, 4), **kwargs)  # type: ignore[arg-type]
+        self.b = FSDP(nn.Linear(4, 4), **kwargs)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.a(x), self.b(x)
 
 
-def _different_reductions() -> str:
+def _different_reductions(no_shard: bool) -> str:
     torch.manual_seed(0)
-    root = FSDP(_TwoUnits())
+    kwargs = {"sharding_strategy": ShardingStrategy.NO_SHARD} if no_shard else {}
+    root = FSDP(_TwoUnits(**kwargs), **kwargs)  # type: ignore[arg-type]
+    # NO_SHARD: two good backwards first, so the learned buckets are sent during backward and rank
+    # 0's bucket of `a` is in flight when rank 1 reaches the end of its backward
+    for _ in range(2 if no_shard else 0):
+        sum(y.sum() for y in root(torch.randn(2, 4))).backward()
     ya, yb = root(torch.randn(2, 4))
     # rank 1 leaves unit `a` out of its loss: its parameters get no gradient there, but do on rank 0
     loss = (ya.sum() if dist.get_rank() == 0 else 0) + yb.sum()
@@ -80,9 +87,10 @@ def _different_reductions() -> str:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-def test_ranks_reducing_different_parameters_fail_on_all_ranks(pool: RankPool) -> None:
+@pytest.mark.parametrize("no_shard", [False, True], ids=["shard_grad_op", "no_shard"])
+def test_ranks_reducing_different_parameters_fail_on_all_ranks(pool: RankPool, no_shard: bool) -> None:
     try:
-        for msg in pool.run(_different_reductions, timeout=60):
+        for msg in pool.run(_different_reductions, no_shard, timeout=60):
             assert "ranks disagree on which parameters got gradients" in msg
     finally:
         pool.close()  # a reduce-scatter was left unmatched: start the next test on fresh ranks
