@@ -10,6 +10,7 @@ torch 2.13 names (``all_gather_single`` / ``reduce_scatter_single``) and the old
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CollectiveKind",
@@ -318,6 +321,30 @@ def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.Pro
     if key not in _group_cache:
         if len(ranks) == 1:
             _group_cache[key] = group
+        elif len(ranks) == dist.get_world_size():
+            _group_cache[key] = dist.new_group(list(ranks))  # every rank is a member and calls this
+        elif subgroups_need_every_rank():
+            log.info(
+                "%s: the default process group is bound to a device, so a new group must be created by "
+                "every rank, and only the members of %s are here; using that group itself",
+                purpose,
+                ranks,
+            )
+            _group_cache[key] = group
         else:
-            _group_cache[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+            try:
+                _group_cache[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+            except NotImplementedError:  # a backend that cannot create a group from its members alone
+                log.info(
+                    "%s: cannot create a group of %s from its members alone; using it itself", purpose, ranks
+                )
+                _group_cache[key] = group
     return _group_cache[key]
+
+
+def subgroups_need_every_rank() -> bool:
+    """Whether creating a group needs every rank of the world: with a default group bound to a device
+    (``init_process_group(device_id=...)``) NCCL splits new groups from the world's communicator,
+    which every rank, member or not, must join; only the members would call for a subgroup."""
+    default = dist.distributed_c10d._get_default_group()
+    return getattr(default, "bound_device_id", None) is not None

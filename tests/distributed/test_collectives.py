@@ -98,3 +98,41 @@ def test_all_gather_paths_agree(pool: RankPool, max_ranks: int) -> None:
     for correct, broadcasts in pool.run(_gathered, max_ranks):
         assert correct
         assert broadcasts == (pool.world_size if pool.world_size <= max_ranks else 0)
+
+
+def _cached_groups() -> dict[str, object]:
+    """Second groups for a purpose: of the world (every rank calls), of a subgroup (members only), and
+    of a subgroup when the default group is bound to a device (then the subgroup itself)."""
+    world = dist.group.WORLD
+    assert world is not None
+    sub = dist.new_group([0, 1])  # every rank takes part in creating it; only 0 and 1 are members
+    whole = fsdp.collectives.get_process_group_cached(world, "test-world")
+    out: dict[str, object] = {
+        "world_is_new": whole is not world,
+        "world_ranks": dist.get_process_group_ranks(whole),
+    }
+    t = torch.ones(1)
+    dist.all_reduce(t, group=whole)
+    out["world_sum"] = t.item()
+    if dist.get_rank() in (0, 1):
+        second = fsdp.collectives.get_process_group_cached(sub, "test-sub")
+        out["sub_is_new"] = second is not sub
+        t = torch.ones(1)
+        dist.all_reduce(t, group=second)
+        out["sub_sum"] = t.item()
+        saved = fsdp.collectives.subgroups_need_every_rank
+        fsdp.collectives.subgroups_need_every_rank = lambda: True  # NCCL with a device-bound world
+        try:
+            out["bound_reuses_sub"] = fsdp.collectives.get_process_group_cached(sub, "test-bound") is sub
+        finally:
+            fsdp.collectives.subgroups_need_every_rank = saved
+    return out
+
+
+@pytest.mark.parametrize("pool", [3], indirect=True)
+def test_cached_groups_of_the_world_and_of_a_subgroup(pool: RankPool) -> None:
+    results = pool.run(_cached_groups)
+    for rank, r in enumerate(results):
+        assert r["world_is_new"] and r["world_ranks"] == [0, 1, 2] and r["world_sum"] == 3.0, r
+        if rank < 2:
+            assert r["sub_is_new"] and r["sub_sum"] == 2.0 and r["bound_reuses_sub"], r
