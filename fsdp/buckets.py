@@ -20,6 +20,7 @@ This module imports no wrapper; it talks to torch.distributed only through :mod:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from collections.abc import Collection, Sequence
@@ -414,8 +415,31 @@ class GradBucketer:
                 self._where[i] = (b, slot)
         log.debug("gradient buckets: %s", self.layout_names)
 
+    def _check_same_tensors(self) -> None:
+        """Raise on every rank unless all ranks reduce the same tensors (names, shapes, dtypes): their
+        layouts, and so the broadcast below and every bucket, would not pair up. Fixed-size, so
+        ranks with different numbers of trainable tensors still meet in it."""
+        world = dist.get_world_size(self.group)
+        if world == 1:
+            return
+        text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in zip(self.names, self.tensors))
+        digest = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
+        device = self._device.device
+        mine = torch.tensor([len(self.tensors), digest], dtype=torch.int64, device=device)
+        everyone = torch.empty(2 * world, dtype=torch.int64, device=device)
+        collectives.all_gather(everyone, mine, self.group, self._stats).wait()
+        rows = everyone.view(world, 2).tolist()
+        differ = [r for r in range(world) if rows[r] != rows[0]]
+        if differ:
+            raise RuntimeError(
+                f"gradient buckets: rank(s) {differ} reduce other parameters than rank 0 ({rows[differ[0]][0]} "
+                f"trainable tensors against {rows[0][0]}, or other names, shapes or dtypes). Every rank must "
+                "have the same parameters trainable (requires_grad) in each step"
+            )
+
     def _sync_layout(self) -> BucketLayout:
         """Rank 0's learned layout, on every rank. See [Note: bucket launch order]."""
+        self._check_same_tensors()
         mine = learn_layout(self.tensors, self._ready_order, self.config.message_size, self._triggers)
         encoded = mine.encode(len(self.tensors)).to(self._device.device)
         collectives.broadcast(encoded, 0, self.group, self._stats).wait()

@@ -392,6 +392,21 @@ def test_trainable_set_change_rebuilds_buckets(pool: RankPool) -> None:
     assert results[0]["layouts"] == results[-1]["layouts"]
 
 
+def _differently_frozen() -> str:
+    # rank 1 freezes c from the start: its buckets would cover other tensors than rank 0's, so the
+    # layout exchange of the first backward would not pair up; every rank raises instead
+    ddp = DDP(_net())
+    if dist.get_rank() == 1:
+        ddp.module.c.requires_grad_(False)
+    return _expect(RuntimeError, lambda: _loss(ddp(torch.randn(2, 6))).backward())
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_ranks_with_different_trainable_sets_raise_on_every_rank(pool: RankPool) -> None:
+    for msg in pool.run(_differently_frozen, timeout=60):
+        assert "rank(s) [1] reduce other parameters than rank 0" in msg and "requires_grad" in msg, msg
+
+
 # ---- dtypes ----------------------------------------------------------------------------------------
 
 
