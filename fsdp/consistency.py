@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.collectives import all_reduce
+from fsdp.collectives import all_gather, all_reduce
 
 __all__ = [
     "WRAPPED",
@@ -59,18 +59,22 @@ def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
     if root.world_size == 1:
         return
     lines = fingerprint(root, wrappers)
-    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
-    digests: list[Any] = [None] * root.world_size
-    dist.all_gather_object(digests, digest, group=group)
+    digest = int.from_bytes(hashlib.sha1("\n".join(lines).encode()).digest()[:7], "little")
+    # a tensor on the compute device, not an object collective: those use the current CUDA device,
+    # which need not be the compute device (no torch.cuda.set_device) and would then fail under NCCL
+    mine = torch.tensor([digest], dtype=torch.int64, device=root.compute_device)
+    gathered = torch.empty(root.world_size, dtype=torch.int64, device=root.compute_device)
+    all_gather(gathered, mine, group).wait()
+    digests = gathered.tolist()
     if len(set(digests)) == 1:
         return
     everyone: list[Any] = [None] * root.world_size
     dist.all_gather_object(everyone, lines, group=group)
     first = next(r for r in range(root.world_size) if digests[r] != digests[0])
-    mine, theirs = everyone[0], everyone[first]
+    rank0, theirs = everyone[0], everyone[first]
     diff = next(
-        (f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(mine, theirs) if a != b),
-        f"rank 0 has {len(mine)} wrappers, rank {first} has {len(theirs)}",
+        (f"rank 0: {a}\n  rank {first}: {b}" for a, b in zip(rank0, theirs) if a != b),
+        f"rank 0 has {len(rank0)} wrappers, rank {first} has {len(theirs)}",
     )
     raise RuntimeError(
         "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
