@@ -2,7 +2,7 @@
 
 All variants live in the same rank processes and run in interleaved rounds (A, B, C, D, then
 B, C, D, A, ...: the order rotates) with a barrier before every step, because separate runs on a shared 2-core machine are not
-comparable (see BENCHMARKING.md). Each round yields one paired ratio per variant against torch
+comparable. Each round yields one paired ratio per variant against torch
 DDP; the report gives their medians. It also counts all-reduce calls per step: ours through its
 CommStats and a patch of ``torch.distributed.all_reduce``, torch DDP through a counting comm hook
 on a separate, untimed copy (a Python hook would slow the timed one down).
@@ -135,7 +135,8 @@ def main() -> None:
             for _ in range(args.warmup):
                 step(name)
         from_stats = ddp.comm_stats.calls.get(CollectiveKind.ALL_REDUCE, 0)
-        assert from_stats == counter.calls, (from_stats, counter.calls)
+        # at world size 1 the stats count the all-reduces while nothing reaches torch.distributed
+        assert from_stats == counter.calls or dist.get_world_size() == 1, (from_stats, counter.calls)
         calls[name] = counter.calls / args.warmup
     counted = TorchDDP(copy.deepcopy(base))
     torch_calls = [0]

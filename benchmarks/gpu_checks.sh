@@ -17,8 +17,11 @@
 # elsewhere (pip wheel --no-deps fairscale==0.4.13) and install it with pip install --no-index.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-out/gpu}
-shift || true
+out=out/gpu
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then  # a first argument not starting with "-" is OUT_DIR
+    out=$1
+    shift
+fi
 mkdir -p "$out"
 log="$out/gpu_checks.log"
 : >"$log"

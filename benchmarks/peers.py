@@ -17,7 +17,7 @@ per-rank batches with AdamW (one step = forward, backward, ``optimizer.step()``,
   0.4.13's FSDP with the same wrapping. Its FSDP runs only on CUDA; a peer that fails to build or to
   train is left out of the run, with the error in the report, and the other variants go on.
 
-How it is measured (see BENCHMARKING.md and docs/performance.md):
+How it is measured (see docs/performance.md):
 
 - **Time.** Separate runs on a shared 2-core machine are not comparable, so every round runs one step
   of every variant (the order rotates each round), with a barrier before each step. A step's time is
@@ -31,7 +31,8 @@ How it is measured (see BENCHMARKING.md and docs/performance.md):
   whole process, so it says little about one variant. On CUDA, each variant is also rebuilt alone
   after the rounds and its peak ``torch.cuda.max_memory_allocated`` over one step is reported.
 - **Bytes.** ``model.comm_stats()`` over the first timed step of each of our variants, against what
-  the padded flat parameter sizes predict and against the formula of BENCHMARKING.md.
+  the padded flat parameter sizes predict and against the formula ``f P (2 b_param + b_reduce)``
+  (full shard; see docs/performance.md).
 
 Writes ``OUT/peers.json``, ``OUT/peers.md`` (rank 0 also prints it) and ``OUT/peers.png``.
 """

@@ -159,7 +159,11 @@ def unit_numels(model: nn.Module) -> list[int]:
 
 def wrap_gpt(model: nn.Module, init: Callable[[nn.Module], None] | None) -> FSDP:
     """One unit per transformer block, the root owns the rest; deferred init when on the meta device."""
-    kwargs: dict[str, Any] = {"param_init_fn": init} if init is not None else {}
+    # on the CPU even where CUDA is present: the fake group moves nothing, and the accounting
+    # (and the inputs of the timed steps) are host memory
+    kwargs: dict[str, Any] = {"compute_device": torch.device("cpu")}
+    if init is not None:
+        kwargs["param_init_fn"] = init
     for i, block in enumerate(model.blocks):  # type: ignore[arg-type]
         model.blocks[i] = FSDP(block, **kwargs)  # type: ignore[index, operator]
     return FSDP(model, **kwargs)

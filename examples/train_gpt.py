@@ -235,6 +235,12 @@ def get_batch(
 def setup_distributed() -> tuple[int, int, torch.device]:
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
+    if use_cuda and int(os.environ.get("LOCAL_RANK", 0)) >= torch.cuda.device_count():
+        raise SystemExit(
+            f"rank {os.environ['LOCAL_RANK']} on this machine has no GPU: it has {torch.cuda.device_count()}. "
+            "Start one rank per GPU (torchrun --nproc_per_node=<GPUs>), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to train on CPU ranks"
+        )
     if "RANK" in os.environ:  # launched by torchrun: it exported RANK, WORLD_SIZE, MASTER_ADDR, ...
         dist.init_process_group(backend)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -416,8 +422,8 @@ def main() -> None:
 
     # ---- checkpoint: every rank must call state_dict() (it all-gathers); rank 0 writes it ----------
     state_dict = model.state_dict()
-    if is_main:
-        torch.save(state_dict, out_dir / "model.pt")
+    if is_main:  # host tensors: the file loads on a machine without a GPU
+        torch.save({k: v.cpu() for k, v in state_dict.items()}, out_dir / "model.pt")
     del state_dict
 
     # ---- sample ----------------------------------------------------------------------------------

@@ -426,7 +426,7 @@ class GradBucketer:
         digest = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
         device = self._device.device
         mine = torch.tensor([len(self.tensors), digest], dtype=torch.int64, device=device)
-        everyone = torch.empty(2 * world, dtype=torch.int64, device=device)
+        everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
         collectives.all_gather(everyone, mine, self.group, self._stats).wait()
         rows = everyone.view(world, 2).tolist()
         differ = [r for r in range(world) if rows[r] != rows[0]]

@@ -23,6 +23,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from fsdp._device import default_compute_device
+
 __all__ = ["checkpoint_wrapper", "is_checkpointed"]
 
 _MARK = "_fsdp_checkpointed"
@@ -62,8 +64,16 @@ def _checkpointed_forward(
     assert module is not None, "checkpointed module was garbage collected"
     if not torch.is_grad_enabled():  # nothing would be saved anyway
         return original(module, *args, **kwargs)
-    run = functools.partial(torch.utils.checkpoint.checkpoint, original, module, use_reentrant=False)
-    if offload_to_cpu:
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            return run(*args, **kwargs)
-    return run(*args, **kwargs)
+    # Keyword arguments travel as positional ones: torch's checkpoint records the CUDA RNG state only
+    # of the devices of its positional tensors (dropout on a tensor passed as x=... would draw other
+    # masks in the recomputation), and the CPU offload hook sees only those.
+    keys, n = tuple(kwargs), len(args)
+
+    def call(*flat: Any) -> Any:
+        return original(module, *flat[:n], **dict(zip(keys, flat[n:], strict=True)))
+
+    run = functools.partial(torch.utils.checkpoint.checkpoint, call, use_reentrant=False)
+    if offload_to_cpu:  # pinned host memory on CUDA: the copies do not block the host
+        with torch.autograd.graph.save_on_cpu(pin_memory=default_compute_device(set()).type == "cuda"):
+            return run(*args, *kwargs.values())
+    return run(*args, *kwargs.values())

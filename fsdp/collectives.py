@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp._device import default_compute_device
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -288,11 +290,12 @@ _hybrid_cache: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]
 
 
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(shard group, replicate group) of this rank for hybrid sharding over the whole world.
+    """(shard group, replicate group) of this rank for hybrid sharding with ``shard_size`` ranks per shard.
 
     Ranks ``[k * shard_size, (k + 1) * shard_size)`` form shard group k (a node under torchrun, where
     ``shard_size`` is LOCAL_WORLD_SIZE); the ranks with the same index in every shard group form a
-    replicate group. Collective over the world on first use; cached afterwards.
+    replicate group. Collective over the world on first use; cached afterwards. The shard groups'
+    twins for reduce-scatters (see :func:`get_process_group_cached`) are created with them.
     """
     world = dist.get_world_size()
     if shard_size < 1 or world % shard_size:
@@ -305,46 +308,59 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup
         replicas = [list(range(i, world, shard_size)) for i in range(shard_size)]
         shard, _ = dist.new_subgroups_by_enumeration(shards)  # type: ignore[no-untyped-call]
         replicate, _ = dist.new_subgroups_by_enumeration(replicas)  # type: ignore[no-untyped-call]
-        assert shard is not None and replicate is not None
+        twin, _ = dist.new_subgroups_by_enumeration(shards)  # type: ignore[no-untyped-call]
+        assert shard is not None and replicate is not None and twin is not None
         _hybrid_cache[key] = (shard, replicate)
+        ranks = tuple(dist.get_process_group_ranks(shard))
+        if len(ranks) > 1:
+            _group_cache[("reduce_scatter", id(dist.group.WORLD), ranks)] = twin
     return _hybrid_cache[key]
 
 
 def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.ProcessGroup:
     """A second process group with the same ranks as ``group``, created once per (purpose, ranks).
 
-    Only the member ranks take part in creating it, so it may be called for a subgroup.
+    For a group of the whole world it is a new group, which every rank creates (all are here). A
+    subgroup gets one only where it was made beside it (the shard groups of :func:`hybrid_groups`);
+    otherwise the subgroup itself is returned. See [Note: creating groups].
     """
     ranks = tuple(dist.get_process_group_ranks(group))
     # The default group's identity is part of the key: a re-initialized world needs new groups.
     key = (purpose, id(dist.group.WORLD), ranks)
     if key not in _group_cache:
-        if len(ranks) == 1:
-            _group_cache[key] = group
-        elif len(ranks) == dist.get_world_size():
-            _group_cache[key] = dist.new_group(list(ranks))  # every rank is a member and calls this
-        elif subgroups_need_every_rank():
-            log.info(
-                "%s: the default process group is bound to a device, so a new group must be created by "
-                "every rank, and only the members of %s are here; using that group itself",
-                purpose,
-                ranks,
-            )
-            _group_cache[key] = group
+        if len(ranks) == dist.get_world_size() > 1:
+            local = _registered_groups_agree()
+            _group_cache[key] = dist.new_group(list(ranks), use_local_synchronization=local)
         else:
-            try:
-                _group_cache[key] = dist.new_group(list(ranks), use_local_synchronization=True)
-            except NotImplementedError:  # a backend that cannot create a group from its members alone
+            if len(ranks) > 1:
                 log.info(
-                    "%s: cannot create a group of %s from its members alone; using it itself", purpose, ranks
+                    "%s: ranks %s share their own group (no second group for a subgroup)", purpose, ranks
                 )
-                _group_cache[key] = group
+            _group_cache[key] = group
     return _group_cache[key]
 
 
-def subgroups_need_every_rank() -> bool:
-    """Whether creating a group needs every rank of the world: with a default group bound to a device
-    (``init_process_group(device_id=...)``) NCCL splits new groups from the world's communicator,
-    which every rank, member or not, must join; only the members would call for a subgroup."""
-    default = dist.distributed_c10d._get_default_group()
-    return getattr(default, "bound_device_id", None) is not None
+# [Note: creating groups]
+# torch names a group made with ``use_local_synchronization=True`` after its ranks and the number of
+# groups the calling rank has registered; a rank registers only the groups it is a member of. After
+# a subgroup that leaves some ranks out (``new_group([0, 1])`` on three ranks), the counts differ, the
+# ranks of a new group look for each other under different names and wait forever. Without it the
+# name is a counter that every rank advances, members or not, so every rank must make the call.
+# That is always the case for a group of the whole world, but such groups made the benchmarks' gloo
+# ranks abort now and then at exit ("terminate called without an active exception", 3 runs in 32,
+# against none in 34 with named groups). So a group of the world is made with local synchronization
+# when every rank has registered as many groups (one small all-gather says), else without it. A
+# second group of a subgroup is only made where every rank takes part (hybrid_groups); elsewhere
+# the subgroup itself serves. (Under a device-bound default group NCCL splits every new group from
+# the world's communicator, which again needs every rank.)
+def _registered_groups_agree() -> bool:
+    """Whether every rank has registered as many process groups (collective over the world)."""
+    world = dist.get_world_size()
+    backend = str(dist.get_backend())
+    device = torch.device("cpu")
+    if "nccl" in backend and "gloo" not in backend:  # NCCL sends device tensors only
+        device = default_compute_device(set())  # the current CUDA device
+    mine = torch.tensor([len(dist.distributed_c10d._world.pg_names)], dtype=torch.int64, device=device)
+    everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
+    all_gather(everyone, mine, dist.group.WORLD).wait()  # type: ignore[arg-type]
+    return len(set(everyone.tolist())) == 1

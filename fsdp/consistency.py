@@ -61,9 +61,9 @@ def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
     lines = fingerprint(root, wrappers)
     digest = int.from_bytes(hashlib.sha1("\n".join(lines).encode()).digest()[:7], "little")
     # a tensor on the compute device, not an object collective: those use the current CUDA device,
-    # which need not be the compute device (no torch.cuda.set_device) and would then fail under NCCL
+    # which need not be the compute device (if the program never set it) and would then fail under NCCL
     mine = torch.tensor([digest], dtype=torch.int64, device=root.compute_device)
-    gathered = torch.empty(root.world_size, dtype=torch.int64, device=root.compute_device)
+    gathered = mine.repeat(root.world_size)  # (filled by the all-gather; torch's fake group leaves it)
     all_gather(gathered, mine, group).wait()
     digests = gathered.tolist()
     if len(set(digests)) == 1:

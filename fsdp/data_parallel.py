@@ -291,7 +291,7 @@ class DistributedDataParallel(nn.Module):
         text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in self._state_tensors())
         digest = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
         mine = torch.tensor([digest], dtype=torch.int64, device=self._device.device)
-        everyone = torch.empty(world, dtype=torch.int64, device=self._device.device)
+        everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
         collectives.all_gather(everyone, mine, self.process_group, self.comm_stats).wait()
         differ = [r for r, v in enumerate(everyone.tolist()) if v != everyone[0].item()]
         if differ:

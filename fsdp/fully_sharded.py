@@ -462,6 +462,10 @@ class FullyShardedDataParallel(nn.Module):
                 if not keep_full and any(not h.aliased for h in self.handles):
                     scheduler.freed()  # (an aliased handle frees nothing: no event to throttle on)
                 if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
+                    for w in self._ctx.wrappers:  # a unit prefetched but skipped this time: free it
+                        for h in w.handles:
+                            if h.prefetched:
+                                h.reshard(free_full=True)
                     SideCopies.synchronize_all()  # no backward follows to wait for the host copies
             if grad_enabled:
                 self._register_pre_backward_hooks(outputs)

@@ -204,6 +204,11 @@ class FlatParamHandle:
         return self._full is self._shard
 
     @property
+    def prefetched(self) -> bool:
+        """An all-gather was launched by :meth:`prefetch` and not yet used by :meth:`unshard`."""
+        return self._gathering is not None
+
+    @property
     def shard_device(self) -> torch.device:
         """Where the master shard, its gradient and its optimizer state live: the host when offloaded."""
         return self._shard.device
@@ -241,6 +246,9 @@ class FlatParamHandle:
                 "unsharded in compute dtype"
             )
             return
+        if full_precision and self._full_precision is not None and self._gathering is not None:
+            if self._gathering[0] is not self._full_precision:  # a compute-dtype prefetch never used
+                self.reshard(free_full=False)  # (lets it land), then gather the fp32 masters below
         self.prefetch(full_precision)
         assert self._gathering is not None
         buf, pending = self._gathering
@@ -327,6 +335,13 @@ class FlatParamHandle:
         data = self.flat_param.data
         if data.data_ptr() == self._shard.data_ptr() and data.shape == self._shard.shape:
             return
+        if data.device != self._shard.device:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a flat parameter was moved to {data.device}, but its shard lives on "
+                f"{self._shard.device} (the host under CPU offload; else the compute device). Do not call "
+                ".to()/.cuda()/.cpu() on a wrapped model: move the module before wrapping it, or pass "
+                "compute_device / move_params_to_cpu"
+            )
         if data.shape != self._shard.shape or data.dtype != self._shard.dtype:
             raise RuntimeError(
                 "FullyShardedDataParallel: a flat parameter's data was replaced by a tensor of shape "

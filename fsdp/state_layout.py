@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from fsdp._device import SideCopies
 from fsdp.collectives import all_gather
 from fsdp.flat_param import ParamInfo
 from fsdp.handle import FlatParamHandle
@@ -410,6 +411,7 @@ def shard_writes(
 def write_shard_(handle: FlatParamHandle, writes: Sequence[tuple[int, int, torch.Tensor]]) -> None:
     """Copy ``writes`` into the flat parameter's local shard (between steps ``flat_param`` *is* it) and
     drop any full parameter kept from an earlier forward: it no longer matches the shard."""
+    SideCopies.synchronize_all()  # no copy in flight may still read a host shard written here
     with torch.no_grad():
         for lo, hi, data in writes:
             handle.flat_param[lo:hi].copy_(data)

@@ -39,7 +39,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 _STARTUP = 0  # task id of the start-up handshake; real tasks count from 1
-_CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# CPU ranks by design, also on a GPU machine: hidden GPUs keep defaults (the compute device of a
+# model built on the meta device, say) on the CPU. tests/gpu runs the CUDA checks.
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
     _CHILD_ENV["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are local: never depend on the hostname
 

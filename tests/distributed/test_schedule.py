@@ -212,3 +212,49 @@ def test_reductions_finish_during_the_next_units_backward(pool: RankPool) -> Non
     for r in pool.run(_early_finish_order):
         assert r["diff"] <= 1e-5, r
         assert r["log"] == ["finalize:last", "reduce:first"] * 2, r["log"]
+
+
+class _MaybeShort(nn.Module):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.a = FSDP(nn.Linear(8, 8), **kwargs)
+        self.b = FSDP(nn.Linear(8, 8), **kwargs)
+        self.short = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        return x if self.short else self.b(x)
+
+
+def _skipped_unit(grad_enabled: bool) -> dict[str, Any]:
+    # forward prefetch gathers b (in bf16) while a runs; a forward that then skips b leaves that
+    # gather unused. It must not leak into the state dict, nor stay allocated after an eval forward.
+    kwargs: dict[str, Any] = {
+        "mixed_precision": True,
+        "compute_dtype": torch.bfloat16,
+        "forward_prefetch": True,
+    }
+    torch.manual_seed(0)
+    net = _MaybeShort(**kwargs)
+    model = FSDP(net, **kwargs)
+    model(torch.randn(2, 8)).float().sum().backward()
+    before = model.state_dict()  # no optimizer step: the parameters do not change below
+    net.short = True
+    with torch.set_grad_enabled(grad_enabled):
+        model(torch.randn(2, 8))
+    dangling = net.b.handles[0].prefetched
+    after = model.state_dict()
+    return {
+        "dangling_after_forward": dangling,
+        "dtypes": sorted({str(v.dtype) for v in after.values()}),
+        "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("grad_enabled", [False, True], ids=["eval", "train"])
+def test_a_prefetched_unit_that_is_skipped_leaves_no_trace(pool: RankPool, grad_enabled: bool) -> None:
+    for r in pool.run(_skipped_unit, grad_enabled):
+        assert r["dtypes"] == ["torch.float32"] and r["unchanged"], r
+        # an eval forward frees it at the root's end; after a training forward the next use takes it
+        assert r["dangling_after_forward"] is grad_enabled, r

@@ -144,7 +144,7 @@ def test_hybrid_shard_across_two_torchrun_nodes(tmp_path: Any) -> None:
     """Two `torchrun --nnodes=2` launches on localhost: shard within each 'node', replicate across."""
     port = _free_port()
     script = os.path.join(ROOT, "tests", "distributed", "hybrid_two_nodes.py")
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     procs = []
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",

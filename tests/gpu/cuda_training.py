@@ -6,6 +6,9 @@
   trains like the plain model on the GPU;
 - ``clip_grad_norm_`` of a wrapped model returns torch's norm of the plain model's gradients and
   clips them the same way;
+- ``checkpoint_wrapper`` recomputes dropout with the forward's CUDA RNG state (also for a tensor
+  passed by keyword) and offloads the saved activations to pinned host memory;
+- ``.cuda()`` on a model wrapped with CPU offload is refused with a clear error;
 - fp16 mixed precision with ``ShardedGradScaler`` (CUDA kernels, with and without CPU offload): a
   step whose loss overflowed is skipped everywhere and halves the scale, the next one trains.
 
@@ -25,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from fsdp import DistributedDataParallel, ShardedGradScaler
+from fsdp import DistributedDataParallel, ShardedGradScaler, checkpoint_wrapper
 from fsdp import FullyShardedDataParallel as FSDP
 
 
@@ -103,6 +106,44 @@ def scaler_skips_overflow(device: torch.device, offload: bool) -> dict[str, obje
     }
 
 
+def moving_an_offloaded_model_is_refused(device: torch.device) -> str:
+    """.cuda() on a model wrapped with move_params_to_cpu would take the shards off the host."""
+    layers = [FSDP(m, move_params_to_cpu=True) if isinstance(m, nn.Linear) else m for m in mlp()]
+    model = FSDP(nn.Sequential(*layers), move_params_to_cpu=True)
+    model.cuda()
+    ((x, _),) = batches(device, 1)
+    try:
+        model(x)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:  # keyword-only: the case that broke
+        return nn.functional.dropout(self.lin(x), p=0.5, training=True)
+
+
+def checkpointed_dropout_grads_differ(device: torch.device) -> float:
+    """checkpoint_wrapper recomputes dropout with the masks of the forward (CUDA RNG restored)."""
+    grads = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        block = _DropoutBlock().to(device)
+        if wrapped:
+            block = checkpoint_wrapper(block, offload_to_cpu=True)
+        torch.manual_seed(1)
+        x = torch.randn(16, 64, device=device, requires_grad=True)
+        block(x=x).square().sum().backward()
+        assert x.grad is not None
+        grads.append(x.grad.clone())
+    return (grads[0] - grads[1]).abs().max().item()
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -120,6 +161,11 @@ def main() -> int:
         home = "cpu" if offload else "cuda"
         ok = ok and bool(r["skipped_overflow"]) and r["scale_after_overflow"] == 2.0**9
         ok = ok and bool(r["trained_after"]) and r["grad_devices"] == [home]
+    report["checkpoint_dropout_max_diff"] = checkpointed_dropout_grads_differ(device)
+    ok = ok and report["checkpoint_dropout_max_diff"] == 0.0
+    refused = moving_an_offloaded_model_is_refused(device)
+    report["move_refused"] = refused[:200]
+    ok = ok and "was moved to cuda" in refused
     report["ok"] = ok
     print(json.dumps(report))
     dist.destroy_process_group()

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(script: str, *args: str, timeout: float = 240) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # gloo ranks on the CPU even on a GPU machine (there the scripts would pick NCCL, one GPU per rank)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [*cmd, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
