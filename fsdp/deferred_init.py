@@ -90,7 +90,7 @@ def materialize_if_meta_(
     if has_meta_tensors(owned, modules):
         materialize_(owned, modules, device, param_init_fn)
         return True
-    if param_init_fn is not None:
+    if param_init_fn is not None and owned:  # (one that owns nothing: the same config as its inner ones)
         raise ValueError(
             "FullyShardedDataParallel: param_init_fn initializes modules built on the meta device, but "
             f"{type(module).__name__} has no meta parameters or buffers; drop param_init_fn"

@@ -196,13 +196,20 @@ def collect_owned(
     return owned, module_of, inner
 
 
-def check_not_owned_by_inner(owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]]) -> None:
-    for path, wrapper in inner:
-        for w in wrapper._wrappers():
-            for fqn, p in owned:
-                if w._original_params.get(id(p)) is p:
-                    raise ValueError(
-                        f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of the "
-                        f"inner wrapper at {path!r}; a tied (shared) parameter must be owned by one wrapper. Put both "
-                        "modules that use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
-                    )
+def check_not_owned_by_inner(
+    owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]], others: Iterable[Any] = ()
+) -> None:
+    """Refuse a parameter that an inner wrapper already owns, or any other live wrapper (``others``:
+    a sibling wrapped before, with which it is tied). Wrappers remember their original parameters,
+    the meta ones of a deferred initialization included, in ``_original_params``."""
+    where = [(f"the inner wrapper at {path!r}", w) for path, wrapper in inner for w in wrapper._wrappers()]
+    inner_ids = {id(w) for _, w in where}
+    where += [("another wrapper, made before this one", w) for w in others if id(w) not in inner_ids]
+    for label, w in where:
+        for fqn, p in owned:
+            if w._original_params.get(id(p)) is p:
+                raise ValueError(
+                    f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of "
+                    f"{label}; a tied (shared) parameter must be owned by one wrapper. Put both modules that "
+                    "use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
+                )

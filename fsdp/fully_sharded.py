@@ -66,6 +66,8 @@ from fsdp.topology import backend_is_cuda_only, reduce_scatter_group, resolve_gr
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
 log = logging.getLogger(__name__)
+# every wrapper alive: a parameter tied to one wrapped before (a sibling) is refused at construction
+_LIVE: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
 
 
@@ -200,10 +202,13 @@ class FullyShardedDataParallel(nn.Module):
 
         is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         owned, module_of, inner = collect_owned(module, is_wrapper)
-        check_not_owned_by_inner(owned, inner)
+        check_not_owned_by_inner(owned, inner, list(_LIVE))
         target = torch.device(compute_device) if compute_device is not None else default_compute_device(set())
+        before = owned
         if materialize_if_meta_(module, owned, module_of, target, param_init_fn):  # deferred init
             owned, module_of, inner = collect_owned(module, is_wrapper)
+        else:
+            before = []
         devices = {p.device for _, p in owned}
         if len(devices) > 1:
             raise ValueError(
@@ -277,8 +282,10 @@ class FullyShardedDataParallel(nn.Module):
             )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
-        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in owned})
-        self._original_names = {id(p): fqn for fqn, p in owned}
+        # the meta parameters replaced by deferred init too: a module outside still tied to one of
+        # them is caught when an outer wrapper is made
+        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
+        self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: isinstance(m, FullyShardedDataParallel)
@@ -293,6 +300,7 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ module forwarding
     @property

@@ -148,3 +148,18 @@ def test_deferred_init_errors_say_what_to_do(pool: RankPool) -> None:
     assert len(msgs) == 2
     assert "has no reset_parameters(); pass param_init_fn" in msgs[0]
     assert "no meta parameters or buffers; drop param_init_fn" in msgs[1]
+
+
+def _root_owning_nothing() -> int:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for i in range(2):
+        model[i] = FSDP(model[i], param_init_fn=_init)
+    # fairscale's pattern: the same options for the root, which owns no parameter of its own
+    root = FSDP(model, param_init_fn=_init)
+    return sum(p.numel() for p in root.parameters())
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_param_init_fn_on_a_wrapper_that_owns_nothing_is_accepted(pool: RankPool) -> None:
+    assert pool.run(_root_owning_nothing) == [2 * (16 + 4)]

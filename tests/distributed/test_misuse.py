@@ -96,20 +96,28 @@ def test_ranks_reducing_different_parameters_fail_on_all_ranks(pool: RankPool, n
         pool.close()  # a reduce-scatter was left unmatched: start the next test on fresh ranks
 
 
-def _tied_across_wrappers() -> str:
-    emb = nn.Embedding(5, 3)
-    head = nn.Linear(3, 5, bias=False)
+def _tied_across_wrappers(how: str) -> str:
+    with torch.device("meta" if how == "meta" else "cpu"):
+        emb = nn.Embedding(5, 3)
+        head = nn.Linear(3, 5, bias=False)
     head.weight = emb.weight
+    if how == "sibling":  # both wrapped on their own: the second one is refused
+        FSDP(emb)
+        return _expect(ValueError, FSDP, head)
+    # "meta": deferred init gives the inner wrapper a new parameter while head keeps the meta one
     model = nn.Sequential(FSDP(emb), head)
     return _expect(ValueError, FSDP, model)
 
 
 @pytest.mark.parametrize("pool", [1], indirect=True)
-def test_tied_parameter_across_wrappers_is_refused(pool: RankPool) -> None:
-    (msg,) = pool.run(_tied_across_wrappers)
-    assert (
-        "'1.weight'" in msg and "'weight'" in msg and "'0'" in msg and "same FullyShardedDataParallel" in msg
-    )
+@pytest.mark.parametrize("how", ["inner", "meta", "sibling"])
+def test_tied_parameter_across_wrappers_is_refused(pool: RankPool, how: str) -> None:
+    (msg,) = pool.run(_tied_across_wrappers, how)
+    assert "'weight'" in msg and "same FullyShardedDataParallel" in msg, msg
+    if how == "sibling":
+        assert "another wrapper, made before this one" in msg, msg
+    else:
+        assert "'1.weight'" in msg and "inner wrapper at '0'" in msg, msg
 
 
 class _Opaque:
