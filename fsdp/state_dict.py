@@ -312,7 +312,10 @@ def consolidate_shard_weights(
                     )
                 continue
             value = weights0[name].detach()
-            out[name] = value.to(getattr(torch, dtypes[name])) if name in dtypes else value
+            dtype = getattr(torch, dtypes[name]) if name in dtypes else value.dtype
+            # a copy (the caller's tensor stays theirs), with the parameters when theirs moved to the host
+            device = next(iter(out.values())).device if out else value.device
+            out[name] = value.to(device=device, dtype=dtype, copy=True)
     keys = first.get("state_dict_keys")
     if keys is None:
         return out
