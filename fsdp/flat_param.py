@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp.deferred_init import materialize_if_meta_
+
 __all__ = [
     "FlatParamMeta",
     "ParamInfo",
@@ -34,6 +36,7 @@ __all__ = [
     "collect_owned",
     "flatten_tensors",
     "group_params",
+    "own_parameters",
     "set_module_tensor",
     "unflatten_views",
 ]
@@ -213,3 +216,26 @@ def check_not_owned_by_inner(
                     f"{label}; a tied (shared) parameter must be owned by one wrapper. Put both modules that "
                     "use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
                 )
+
+
+def own_parameters(
+    module: nn.Module,
+    is_wrapper: Callable[[nn.Module], bool],
+    others: Iterable[Any],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> tuple[
+    list[tuple[str, nn.Parameter]],
+    dict[str, nn.Module],
+    list[tuple[str, Any]],
+    list[tuple[str, nn.Parameter]],
+]:
+    """What a new wrapper of ``module`` owns: :func:`collect_owned` after the tie checks (``others``:
+    the live wrappers) and after materializing a unit built on the meta device on ``device``. Also
+    returns the meta parameters that materialization replaced (empty if none)."""
+    owned, module_of, inner = collect_owned(module, is_wrapper)
+    check_not_owned_by_inner(owned, inner, others)
+    replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
+    if replaced:
+        owned, module_of, inner = collect_owned(module, is_wrapper)
+    return owned, module_of, inner, replaced

@@ -55,9 +55,14 @@ from fsdp.consistency import (
     check_same_wrappers_on_all_ranks,
     wrapper_path,
 )
-from fsdp.deferred_init import materialize_if_meta_
-from fsdp.flat_param import check_not_owned_by_inner, collect_owned, group_params
-from fsdp.handle import FlatParamHandle, clip_grad_norm_, finish_no_shard_buckets, make_no_shard_bucketer
+from fsdp.flat_param import group_params, own_parameters
+from fsdp.handle import (
+    FlatParamHandle,
+    clip_grad_norm_,
+    finish_no_shard_buckets,
+    free_unused_prefetches,
+    make_no_shard_bucketer,
+)
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
@@ -201,14 +206,8 @@ class FullyShardedDataParallel(nn.Module):
         )
 
         is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        owned, module_of, inner = collect_owned(module, is_wrapper)
-        check_not_owned_by_inner(owned, inner, list(_LIVE))
         target = torch.device(compute_device) if compute_device is not None else default_compute_device(set())
-        before = owned
-        if materialize_if_meta_(module, owned, module_of, target, param_init_fn):  # deferred init
-            owned, module_of, inner = collect_owned(module, is_wrapper)
-        else:
-            before = []
+        owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
         devices = {p.device for _, p in owned}
         if len(devices) > 1:
             raise ValueError(
@@ -282,10 +281,8 @@ class FullyShardedDataParallel(nn.Module):
             )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
-        # the meta parameters replaced by deferred init too: a module outside still tied to one of
-        # them is caught when an outer wrapper is made
         self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
-        self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}
+        self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: isinstance(m, FullyShardedDataParallel)
@@ -470,10 +467,7 @@ class FullyShardedDataParallel(nn.Module):
                 if not keep_full and any(not h.aliased for h in self.handles):
                     scheduler.freed()  # (an aliased handle frees nothing: no event to throttle on)
                 if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
-                    for w in self._ctx.wrappers:  # a unit prefetched but skipped this time: free it
-                        for h in w.handles:
-                            if h.prefetched:
-                                h.reshard(free_full=True)
+                    free_unused_prefetches([h for w in self._ctx.wrappers for h in w.handles])
                     SideCopies.synchronize_all()  # no backward follows to wait for the host copies
             if grad_enabled:
                 self._register_pre_backward_hooks(outputs)
@@ -591,9 +585,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
                 if ctx.bucketer is not None:
-                    # first: a rank that skipped a unit whose bucket others already sent sends it now
-                    # (zeros), so the check's all-reduce below pairs with the check's on every rank
-                    # (NO_SHARD buckets and the check share the data-parallel group)
+                    # first, so a rank that skipped a unit sends its bucket too (see the function)
                     finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
                 check_same_reductions_on_all_ranks(self, ctx.wrappers)
             handles = [h for w in ctx.wrappers for h in w.handles]

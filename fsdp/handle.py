@@ -85,7 +85,13 @@ from fsdp.flat_param import (
 )
 from fsdp.sharding import ShardSpec, shard_spec
 
-__all__ = ["FlatParamHandle", "clip_grad_norm_", "finish_no_shard_buckets", "make_no_shard_bucketer"]
+__all__ = [
+    "FlatParamHandle",
+    "clip_grad_norm_",
+    "finish_no_shard_buckets",
+    "free_unused_prefetches",
+    "make_no_shard_bucketer",
+]
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -617,10 +623,19 @@ def make_no_shard_bucketer(
     return bucketer, {id(h): i for i, (_, h) in enumerate(chosen)}
 
 
+def free_unused_prefetches(handles: Sequence[FlatParamHandle]) -> None:
+    """Free the full parameters of units prefetched but not run (a forward that skipped them)."""
+    for h in handles:
+        if h.prefetched:
+            h.reshard(free_full=True)
+
+
 def finish_no_shard_buckets(bucketer: GradBucketer, index: dict[int, int], units: Sequence[Any]) -> None:
     """Hand the bucket engine the flat parameters that got no gradient this backward (zeros stand in,
     so every rank launches every bucket), then wait for every bucket. Runs before the end-of-backward
-    consistency check, which then reports a rank that skipped parameters the others reduced."""
+    consistency check, which then reports a rank that skipped parameters the others reduced: the
+    buckets and the check share the data-parallel group, so the check's all-reduce must not meet a
+    bucket another rank sent."""
     for unit in units:
         for h in unit.handles:
             i = index.get(id(h))
