@@ -59,7 +59,8 @@ def materialize_(
             continue
         module.to_empty(device=device, recurse=False)
         if param_init_fn is not None:
-            param_init_fn(module)
+            with torch.no_grad():  # in-place initialization of leaves that require grad
+                param_init_fn(module)
         elif callable(getattr(module, "reset_parameters", None)):
             with torch.no_grad():
                 module.reset_parameters()  # type: ignore[operator]

@@ -163,3 +163,21 @@ def _root_owning_nothing() -> int:
 @pytest.mark.parametrize("pool", [1], indirect=True)
 def test_param_init_fn_on_a_wrapper_that_owns_nothing_is_accepted(pool: RankPool) -> None:
     assert pool.run(_root_owning_nothing) == [2 * (16 + 4)]
+
+
+def _in_place_init(module: nn.Module) -> None:
+    for p in module.parameters(recurse=False):
+        p.fill_(0.5)  # in place on a leaf that requires grad: allowed only under no_grad
+
+
+def _init_in_place() -> float:
+    with torch.device("meta"):
+        model = nn.Linear(3, 3)
+    wrapped = FSDP(model, param_init_fn=_in_place_init)
+    with wrapped.summon_full_params():
+        return float(wrapped.module.weight.sum())
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_param_init_fn_may_initialize_in_place(pool: RankPool) -> None:
+    assert pool.run(_init_in_place) == [4.5]
