@@ -20,7 +20,6 @@ This module imports no wrapper; it talks to torch.distributed only through :mod:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 from collections.abc import Collection, Sequence
@@ -423,12 +422,8 @@ class GradBucketer:
         if world == 1:
             return
         text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in zip(self.names, self.tensors))
-        digest = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
-        device = self._device.device
-        mine = torch.tensor([len(self.tensors), digest], dtype=torch.int64, device=device)
-        everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
-        collectives.all_gather(everyone, mine, self.group, self._stats).wait()
-        rows = everyone.view(world, 2).tolist()
+        mine = [len(self.tensors), collectives.digest_of_text(text)]
+        rows = collectives.all_gather_ints(mine, self.group, self._device.device, self._stats)
         differ = [r for r in range(world) if rows[r] != rows[0]]
         if differ:
             raise RuntimeError(

@@ -10,9 +10,10 @@ torch 2.13 names (``all_gather_single`` / ``reduce_scatter_single``) and the old
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,12 +356,27 @@ def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.Pro
 # the world's communicator, which again needs every rank.)
 def _registered_groups_agree() -> bool:
     """Whether every rank has registered as many process groups (collective over the world)."""
-    world = dist.get_world_size()
     backend = str(dist.get_backend())
     device = torch.device("cpu")
     if "nccl" in backend and "gloo" not in backend:  # NCCL sends device tensors only
         device = default_compute_device(set())  # the current CUDA device
-    mine = torch.tensor([len(dist.distributed_c10d._world.pg_names)], dtype=torch.int64, device=device)
+    counts = all_gather_ints([len(dist.distributed_c10d._world.pg_names)], dist.group.WORLD, device)  # type: ignore[arg-type]
+    return len(set(counts)) == 1
+
+
+def digest_of_text(text: str) -> int:
+    """A 56-bit digest of ``text``: fits an int64 tensor element."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
+
+
+def all_gather_ints(
+    values: Sequence[int], group: dist.ProcessGroup, device: torch.device, stats: CommStats | None = None
+) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (as many on every rank), in rank order: a tensor collective on
+    ``device``, not an object one (those run on the current CUDA device, which need not be the
+    compute device). Collective."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
-    all_gather(everyone, mine, dist.group.WORLD).wait()  # type: ignore[arg-type]
-    return len(set(everyone.tolist())) == 1
+    all_gather(everyone, mine, group, stats).wait()
+    return [tuple(row) for row in everyone.view(world, len(values)).tolist()]

@@ -8,14 +8,13 @@ Wrappers are passed duck-typed: this module never imports the wrapper.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.collectives import all_gather, all_reduce
+from fsdp.collectives import all_gather_ints, all_reduce, digest_of_text
 
 __all__ = [
     "WRAPPED",
@@ -59,13 +58,7 @@ def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
     if root.world_size == 1:
         return
     lines = fingerprint(root, wrappers)
-    digest = int.from_bytes(hashlib.sha1("\n".join(lines).encode()).digest()[:7], "little")
-    # a tensor on the compute device, not an object collective: those use the current CUDA device,
-    # which need not be the compute device (if the program never set it) and would then fail under NCCL
-    mine = torch.tensor([digest], dtype=torch.int64, device=root.compute_device)
-    gathered = mine.repeat(root.world_size)  # (filled by the all-gather; torch's fake group leaves it)
-    all_gather(gathered, mine, group).wait()
-    digests = gathered.tolist()
+    digests = all_gather_ints([digest_of_text("\n".join(lines))], group, root.compute_device)
     if len(set(digests)) == 1:
         return
     everyone: list[Any] = [None] * root.world_size

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
 import logging
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -289,11 +288,11 @@ class DistributedDataParallel(nn.Module):
         if world == 1:
             return
         text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in self._state_tensors())
-        digest = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
-        mine = torch.tensor([digest], dtype=torch.int64, device=self._device.device)
-        everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
-        collectives.all_gather(everyone, mine, self.process_group, self.comm_stats).wait()
-        differ = [r for r, v in enumerate(everyone.tolist()) if v != everyone[0].item()]
+        digest = collectives.digest_of_text(text)
+        everyone = collectives.all_gather_ints(
+            [digest], self.process_group, self._device.device, self.comm_stats
+        )
+        differ = [r for r, v in enumerate(everyone) if v != everyone[0]]
         if differ:
             raise ValueError(
                 f"DistributedDataParallel: rank(s) {differ} wrap a different model than rank 0 (parameter "
