@@ -32,7 +32,7 @@ from torch.profiler import record_function as _record_function
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
-from fsdp._device import DeviceHandle, SideCopies, default_compute_device
+from fsdp._device import DeviceHandle, SideCopies
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -66,7 +66,13 @@ from fsdp.handle import (
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
-from fsdp.topology import backend_is_cuda_only, reduce_scatter_group, resolve_groups, resolve_strategy
+from fsdp.topology import (
+    choose_compute_device,
+    materialize_device,
+    reduce_scatter_group,
+    resolve_groups,
+    resolve_strategy,
+)
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
@@ -206,22 +212,15 @@ class FullyShardedDataParallel(nn.Module):
         )
 
         is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        target = torch.device(compute_device) if compute_device is not None else default_compute_device(set())
+        target = materialize_device(compute_device, params_to_cpu, groups.dp)
         owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
-        devices = {p.device for _, p in owned}
-        if len(devices) > 1:
-            raise ValueError(
-                f"FullyShardedDataParallel: the parameters of {type(module).__name__} are on several devices "
-                f"({', '.join(sorted(str(d) for d in devices))}); move the module to one device before wrapping"
-            )
-        device = (
-            torch.device(compute_device)
-            if compute_device is not None
-            else default_compute_device(
-                devices,
-                {w.compute_device for _, w in inner},
-                params_to_cpu or backend_is_cuda_only(groups.dp),
-            )
+        device = choose_compute_device(
+            compute_device,
+            module,
+            {p.device for _, p in owned},
+            {w.compute_device for _, w in inner},
+            params_to_cpu,
+            groups.dp,
         )
         precision = resolve_precision(
             mixed_precision,
@@ -736,13 +735,18 @@ class FullyShardedDataParallel(nn.Module):
         strict: bool = True,  # type: ignore[override]
         assign: bool = False,
     ) -> NamedTuple:
-        """Load a full state dict with the unwrapped module's keys. Collective: all ranks call it."""
+        """Load a full state dict with the unwrapped module's keys. Collective: all ranks call it.
+
+        Like ``state_dict()``, each wrapper gathers its parameters only while its part loads.
+        """
         if assign:
             raise NotImplementedError(
                 "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
             )
-        with self.summon_full_params(recurse=True, volatile=False):
-            return sd_impl.load_full_state_dict(self, state_dict, strict)
+        wrappers = self._wrappers()
+        for w in wrappers:
+            w.assert_state(TrainingState.IDLE)
+        return sd_impl.load_full_state_dict(self, wrappers, state_dict, strict)
 
     # ------------------------------------------------------------------ gradient accumulation and clipping
     @contextlib.contextmanager

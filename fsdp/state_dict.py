@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fsdp.api import TrainingState
 from fsdp.consistency import plain_name
 from fsdp.handle import FlatParamHandle
 
@@ -464,13 +465,49 @@ def own_full_values(
             destination[key] = value.to(dtype)
 
 
-def load_full_state_dict(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
-    """Load a full state dict with the unwrapped module's keys into a wrapper tree whose full
-    parameters are shown (inside ``summon_full_params``); report keys under their plain names.
+def load_full_state_dict(
+    root: Any, wrappers: Sequence[Any], state_dict: Mapping[str, Any], strict: bool
+) -> NamedTuple:
+    """Load a full state dict with the unwrapped module's keys into a wrapper tree; report keys
+    under their plain names. Collective: every rank gathers every unit, in module order.
 
     Plain names are mapped onto the tree's internal module names (which contain the wrappers'
-    ``_fsdp_wrapped_module``), then ``nn.Module.load_state_dict`` does the loading.
+    ``_fsdp_wrapped_module``), then ``nn.Module.load_state_dict`` does the loading. Each wrapper
+    shows its full parameters only while its own part loads: a load pre-hook gathers them before
+    the wrapper's subtree is visited, and a post-hook, which runs once the subtree is done, writes
+    them back to the shards and frees them. So at most one unit and its ancestors are full at a
+    time, as in ``state_dict()``; the model is never full on one rank.
     """
+    shown: list[Any] = []
+
+    def show(w: Any) -> Callable[..., None]:
+        def pre_hook(*args: Any) -> None:
+            w.training_state = TrainingState.SUMMON_FULL_PARAMS
+            shown.append(w)
+            w._show_full_params()
+
+        return pre_hook
+
+    def hide(w: Any, *args: Any) -> None:
+        if w in shown:  # a wrapper's post-hook runs after its whole subtree
+            shown.remove(w)
+            w._hide_full_params(write_back=True)
+            w.training_state = TrainingState.IDLE
+
+    hooks = []
+    for w in wrappers:
+        hooks.append(w._register_load_state_dict_pre_hook(show(w)))
+        hooks.append(w.register_load_state_dict_post_hook(hide))
+    try:
+        return _load_renamed(root, state_dict, strict)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for w in reversed(list(shown)):  # an error mid-way: what was loaded is kept, as in torch
+            hide(w)
+
+
+def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
     to_internal = {plain_name(name): name for name, _ in root.named_modules()}
 
     def internal(key: str) -> str:

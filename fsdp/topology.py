@@ -1,4 +1,5 @@
-"""Who communicates with whom: sharding strategy, shard / replicate / data-parallel groups.
+"""Who communicates with whom, and where: sharding strategy, shard / replicate / data-parallel
+groups, and the compute device a wrapper picks when none is given.
 
 Resolves fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` into one
 :class:`~fsdp.api.ShardingStrategy`, and the ``process_group`` argument (a group, a
@@ -10,14 +11,20 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
+from fsdp._device import default_compute_device
 from fsdp.api import ProcessGroupName, ShardingStrategy
 from fsdp.collectives import get_process_group_cached, hybrid_groups
 
 __all__ = [
     "ProcessGroups",
+    "backend_has_cuda",
     "backend_is_cuda_only",
+    "choose_compute_device",
+    "materialize_device",
     "reduce_scatter_group",
     "resolve_groups",
     "resolve_strategy",
@@ -59,6 +66,39 @@ class ProcessGroups(NamedTuple):
 def backend_is_cuda_only(group: Any) -> bool:
     """Whether ``group`` can send CUDA tensors only (NCCL alone, with no CPU backend beside it)."""
     return str(dist.get_backend(group)).lower() in ("nccl", "cuda:nccl")
+
+
+def backend_has_cuda(group: Any) -> bool:
+    """Whether ``group`` has a CUDA backend (NCCL), alone or beside a CPU one."""
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def materialize_device(compute_device: Any, params_to_cpu: bool, group: Any) -> torch.device:
+    """Where meta parameters materialize: ``compute_device``, else where a CPU-built model would
+    compute (:func:`choose_compute_device`), except that NCCL in the group also means CUDA."""
+    if compute_device is not None:
+        return torch.device(compute_device)
+    return default_compute_device({torch.device("cpu")}, prefer_cuda=params_to_cpu or backend_has_cuda(group))
+
+
+def choose_compute_device(
+    compute_device: Any,
+    module: nn.Module,
+    devices: set[torch.device],
+    inner_devices: set[torch.device],
+    params_to_cpu: bool,
+    group: Any,
+) -> torch.device:
+    """The wrapper's compute device: ``compute_device``, else where its parameters (or its inner
+    wrappers) are; CUDA for CPU parameters under offload or a CUDA-only group (``default_compute_device``)."""
+    if len(devices) > 1:
+        raise ValueError(
+            f"FullyShardedDataParallel: the parameters of {type(module).__name__} are on several devices "
+            f"({', '.join(sorted(str(d) for d in devices))}); move the module to one device before wrapping"
+        )
+    if compute_device is not None:
+        return torch.device(compute_device)
+    return default_compute_device(devices, inner_devices, params_to_cpu or backend_is_cuda_only(group))
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGroups:

@@ -124,6 +124,44 @@ def test_state_dict_roundtrip(pool: RankPool) -> None:
         assert r["missing"] == ["lin.bias"] and r["unexpected"] == ["extra.weight"]
 
 
+def _load_one_unit_at_a_time() -> dict[str, object]:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), *[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+    model = copy.deepcopy(ref)
+    for i in range(1, 5):
+        model[i] = FSDP(model[i])
+    model = FSDP(model)
+    handles = [h for w in model.modules() if isinstance(w, FSDP) for h in w.handles]
+    full_counts: list[int] = []
+
+    def count(*args: object) -> None:  # runs as each plain module loads its own tensors
+        full_counts.append(sum(h.state is MemoryState.UNSHARDED for h in handles))
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m._register_load_state_dict_pre_hook(count)
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        for i, p in enumerate(other.parameters()):
+            p.fill_(float(i))
+    model.load_state_dict(other.state_dict())
+    loaded = all(torch.equal(v, other.state_dict()[k]) for k, v in model.state_dict().items())
+    return {
+        "full_counts": full_counts,
+        "loaded": loaded,
+        "all_sharded_after": all(h.state is MemoryState.SHARDED for h in handles),
+        "idle_after": {w.training_state.name for w in model.modules() if isinstance(w, FSDP)},
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_load_state_dict_gathers_one_unit_at_a_time(pool: RankPool) -> None:
+    for r in pool.run(_load_one_unit_at_a_time):
+        assert r["loaded"] and r["all_sharded_after"] and r["idle_after"] == {"IDLE"}
+        # five Linear layers load; each sees its own unit full, and the root's while it is an ancestor
+        assert r["full_counts"] == [1, 2, 2, 2, 2], r["full_counts"]
+
+
 def _state_dict_options() -> dict[str, object]:
     rank = dist.get_rank()
     ref = build("nested", seed=1)

@@ -16,7 +16,7 @@ from fsdp import FullyShardedDataParallel as FSDP
 from fsdp._device import DeviceHandle, default_compute_device
 from fsdp.api import ScheduleConfig
 from fsdp.schedule import Scheduler
-from fsdp.topology import backend_is_cuda_only
+from fsdp.topology import backend_has_cuda, backend_is_cuda_only
 
 CPU = torch.device("cpu")
 CUDA1 = torch.device("cuda", 1)
@@ -68,6 +68,22 @@ def test_a_root_without_parameters_of_its_own_stays_with_cpu_inner_wrappers() ->
     root = FSDP(Holder())
     assert root.compute_device == CPU
     assert root.module.scale.device == CPU  # the owned buffer was not sent to the (simulated) GPU
+
+
+@pytest.mark.usefixtures("single_rank_group", "cuda_present")
+def test_a_meta_model_under_gloo_materializes_on_the_cpu() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    wrapped = FSDP(model)  # gloo, no compute_device: the simulated GPU is not where compute goes
+    assert wrapped.compute_device == CPU
+    assert {p.device for p in wrapped.parameters()} == {CPU}
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_which_groups_have_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    for backend, has_cuda in (("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False), ("fake", False)):
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None, b=backend: b)
+        assert backend_has_cuda(None) is has_cuda
 
 
 @pytest.mark.usefixtures("single_rank_group")
