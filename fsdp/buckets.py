@@ -233,6 +233,8 @@ class _Bucket:
 # non-zero on every rank exactly when some rank missed a gradient, so all ranks raise together,
 # after every bucket was launched and waited on: no rank is left waiting in a collective, and the
 # check costs no extra collective. (Scaling by the predivide factor keeps a non-zero flag non-zero.)
+# Reading the flags is one host synchronization per backward on CUDA; at world size 1 the host
+# knows the answer already (``bucket.complete``) and reads nothing.
 
 
 class GradBucketer:
@@ -508,6 +510,8 @@ class GradBucketer:
                         torch._foreach_copy_(grads, views)
                 bucket.comm = None
                 bucket.pending = None
+        if world == 1:  # this rank's own flags say it all: no device read, no host synchronization
+            return not all(bucket.complete for bucket in self._buckets)
         return bool(torch.cat(flags).ne(0).any().item()) if flags else False
 
 

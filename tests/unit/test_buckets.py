@@ -103,6 +103,25 @@ def test_missing_gradient_is_named(single_rank_group: None) -> None:
     _backward(b, params, [0, 1, 2])  # the next backward is clean again
 
 
+def test_one_rank_reads_no_flag_from_the_device(
+    single_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At world size 1 the host knows whether a gradient is missing: no ``.item()`` (a CUDA sync)."""
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    b = _bucketer(params)
+    _backward(b, params, [0, 1])
+
+    def no_read(self: torch.Tensor) -> None:
+        raise AssertionError("the missing-gradient flag was read from the device")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_read)
+    _backward(b, params, [1, 0])
+    for p in params:
+        p.grad = None
+    with pytest.raises(MissingGradientError, match=r"on this rank: p0\b"):
+        _backward(b, params, [1])
+
+
 def test_retained_buffers_become_the_gradients(single_rank_group: None) -> None:
     params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
     b = _bucketer(params, retain_allreduce_buffers=True)
