@@ -749,6 +749,13 @@ class FullyShardedDataParallel(nn.Module):
         return sd_impl.load_full_state_dict(self, wrappers, state_dict, strict)
 
     # ------------------------------------------------------------------ gradient accumulation and clipping
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; also drops what ``no_sync()`` accumulated in this subtree."""
+        super().zero_grad(set_to_none)
+        for w in self._wrappers():
+            for h in w.handles:
+                h.discard_accumulated_grad()
+
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients over several backward passes without any communication.

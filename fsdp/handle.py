@@ -55,7 +55,11 @@ Inside ``no_sync`` no collective runs after the first forward: each handle keeps
 parameter from forward to the next forward (its validity is tracked by ``flat_param._version``), and
 the post-backward hook adds the full gradient into ``_grad_acc`` (the master dtype) instead of
 reducing it. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
-the sum once, so k micro-batches cost one reduction, exactly like one large batch. When the full
+the sum once, so k micro-batches cost one reduction, exactly like one large batch. The sum is kept in
+the master dtype and reduced in the dtype of the gradient it joins (the compute dtype under mixed
+precision, unless a reduce dtype is set), so the reduction moves the bytes of any other step.
+``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model; an
+optimizer's ``zero_grad()`` cannot see it. When the full
 parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
 ``.grad`` directly and nothing needs to be kept. The price is memory: full parameters and full
 gradients of every unit stay allocated inside the context.
@@ -440,9 +444,12 @@ class FlatParamHandle:
             self.reshard(free_full=False)
             return
         self.flat_param.grad = None
-        if self._grad_acc is not None:
+        if self._grad_acc is not None:  # the sum is reduced in the dtype this backward's gradient has
+            wire_dtype = grad.dtype
             grad = self._grad_acc.add_(grad)
             self._grad_acc = None
+            if not bucketed:
+                grad = grad.to(wire_dtype)
         if bucketed:
             full = grad.to(device=self._shard.device, dtype=self.meta.dtype)
             self.reshard(free_full=True)
@@ -473,6 +480,10 @@ class FlatParamHandle:
             self._all_reduce_after = False
         self.reduced_this_backward = True
         self.reshard(free_full=True)
+
+    def discard_accumulated_grad(self) -> None:
+        """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
+        self._grad_acc = None
 
     @property
     def reduction_pending(self) -> bool:

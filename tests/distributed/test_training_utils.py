@@ -91,6 +91,53 @@ def test_no_sync_accumulates_without_communication(pool: RankPool, strategy: str
                 assert synced["reduce_scatter"] == 1  # the three units share one bucket
 
 
+def _no_sync_reduces_in_the_wire_dtype() -> dict[str, Any]:
+    rank = dist.get_rank()
+    model = wrap(build("nested"), ("body", "inp"), mixed_precision=True, compute_dtype=torch.bfloat16)
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(rank))
+    model(x).float().pow(2).mean().backward()  # first step: every lazy exchange is behind us
+    model.zero_grad()
+    model.reset_comm_stats()
+    model(x).float().pow(2).mean().backward()
+    plain = model.comm_stats()["reduce_scatter"]["bytes"]
+    model.zero_grad()
+    with model.no_sync():
+        model(x).float().pow(2).mean().backward()
+    model.reset_comm_stats()
+    model(x).float().pow(2).mean().backward()
+    accumulated = model.comm_stats()["reduce_scatter"]["bytes"]
+    return {"plain": plain, "accumulated": accumulated}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_no_sync_under_bf16_reduces_as_many_bytes_as_a_plain_step(pool: RankPool) -> None:
+    for r in pool.run(_no_sync_reduces_in_the_wire_dtype):
+        assert r["plain"] > 0 and r["accumulated"] == r["plain"], r
+
+
+def _zero_grad_after_no_sync(strategy: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = build("nested")
+    model = wrap(copy.deepcopy(ref), ("body", "inp"), sharding_strategy=ShardingStrategy[strategy])
+    g = torch.Generator().manual_seed(5)
+    dropped, kept = torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 6, generator=g)
+    with model.no_sync():
+        model(dropped[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+    model.zero_grad()  # a plain model forgets the accumulated gradients here, and so must the wrapper
+    model(kept[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+    ref(dropped).pow(2).mean().backward()
+    ref.zero_grad()
+    ref(kept).pow(2).mean().backward()
+    return {"grad": _grad_error(model, ref)}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])  # NO_SHARD's .grad is autograd's own
+def test_zero_grad_drops_what_no_sync_accumulated(pool: RankPool, strategy: str) -> None:
+    for r in pool.run(_zero_grad_after_no_sync, strategy):
+        assert r["grad"] <= TOL, r
+
+
 def _clip(norm_type: float, strategy: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = build("tied")
