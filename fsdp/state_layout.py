@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp._device import SideCopies
-from fsdp.collectives import all_gather
+from fsdp.collectives import all_gather, all_gather_ints, digest_of_text
 from fsdp.flat_param import ParamInfo
 from fsdp.handle import FlatParamHandle
 from fsdp.sharding import intersect
@@ -237,22 +237,24 @@ def agree(
     """Raise the same error on every rank if any rank failed, or if the ranks' ``digest`` differ.
 
     Call it before a step whose collectives only match if every rank takes part (one tiny
-    ``all_gather_object``), so that a mistake on one rank never leaves the others blocked.
+    all-gather on the compute device), so that a mistake on one rank never leaves the others
+    blocked. Only when some rank failed are the messages exchanged, as objects.
     """
     if layout.world_size == 1:
         if error is not None:
             raise exc_type(f"{what}: {error}")
         return
-    gathered: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(gathered, (error, digest), group=layout.group)
-    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-    if failed:
+    flags = all_gather_ints([int(error is not None), digest_of_text(digest)], layout.group, layout.device)
+    if any(failed_here for failed_here, _ in flags):
+        gathered: list[Any] = [None] * layout.world_size
+        dist.all_gather_object(gathered, error, group=layout.group)
+        failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
         distinct: dict[str, list[int]] = {}
         for r, e in failed:
             distinct.setdefault(e, []).append(r)
         lines = [f"rank(s) {ranks}: {e}" for e, ranks in distinct.items()]
         raise exc_type(f"{what} failed on rank(s) {[r for r, _ in failed]}:\n  " + "\n  ".join(lines))
-    if len({d for _, d in gathered}) > 1:
+    if len({d for _, d in flags}) > 1:
         raise exc_type(
             f"{what}: ranks passed differently structured state (every rank must pass the same keys, with "
             "values of the same kinds); nothing was loaded"

@@ -178,6 +178,33 @@ def _not_flat() -> str:
     return ""
 
 
+def _agree_cases() -> dict[str, str]:
+    from fsdp.state_layout import agree
+
+    rank = dist.get_rank()
+    layout = FSDP(nn.Linear(4, 4))._state_layout()
+    out = {}
+    for case, error, digest in (
+        ("one_rank", "disk full" if rank == 1 else None, "same"),
+        ("digests", None, f"keys of rank {rank}"),
+        ("fine", None, "same"),
+    ):
+        try:
+            agree(layout, error, "saving", digest)
+            out[case] = ""
+        except RuntimeError as e:
+            out[case] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_agreement_raises_on_every_rank(pool: RankPool) -> None:
+    for r in pool.run(_agree_cases):
+        assert "saving failed on rank(s) [1]" in r["one_rank"] and "disk full" in r["one_rank"]
+        assert "differently structured" in r["digests"]
+        assert r["fine"] == ""
+
+
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_foreign_optimizer_fails_on_every_rank(pool: RankPool) -> None:
     for msg in pool.run(_not_flat):
