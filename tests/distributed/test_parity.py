@@ -1,9 +1,17 @@
-"""FSDP trains exactly like a plain model on the concatenated batch (SGD with momentum, 1e-5)."""
+"""FSDP trains exactly like a plain model on the concatenated batch (SGD with momentum, 1e-5), and
+bit for bit like the plain model (1 rank) and torch DDP (2 ranks)."""
 
 from __future__ import annotations
 
-import pytest
+import copy
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import ShardingStrategy
 from tests.parity import run_parity
 from tests.rank_pool import RankPool
 
@@ -59,3 +67,46 @@ def test_parity_options(pool: RankPool, case: str, kwargs: dict) -> None:
 
         kwargs = {"process_group_reduce_scatter": ProcessGroupName.default}
     _check(pool.run(_parity, case, kwargs))
+
+
+def _bitwise(strategy: str) -> dict[str, object]:
+    """FSDP against the reference that sums in the same order: the plain model at world size 1,
+    torch's DDP at 2 (a + b is exact and commutative, and halving is exact), with Adam. Both flat
+    parameters have an odd number of elements, so the shards are padded."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Linear(15, 33),
+        nn.GELU(),
+        nn.Sequential(nn.Linear(33, 7, bias=False), nn.Tanh()),
+        nn.Linear(7, 3, bias=False),
+    )
+    kw = {"sharding_strategy": ShardingStrategy[strategy]}
+    model = copy.deepcopy(ref)
+    model[2] = FSDP(model[2], **kw)
+    model = FSDP(model, **kw)
+    peer = nn.parallel.DistributedDataParallel(ref) if world > 1 else ref
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, peer)]
+    losses: list[tuple[float, float]] = []
+    for step in range(4):
+        x = torch.randn(6, 15, generator=torch.Generator().manual_seed(10 * step + rank))
+        pair = []
+        for m, opt in zip((model, peer), opts):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append((pair[0], pair[1]))
+    ours, theirs = model.state_dict(), ref.state_dict()
+    return {
+        "losses_equal": all(a == b for a, b in losses),
+        "params_equal": list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs),
+    }
+
+
+@pytest.mark.parametrize("pool", [1, 2], indirect=True)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_bit_for_bit_with_the_plain_model_and_ddp(pool: RankPool, strategy: str) -> None:
+    for r in pool.run(_bitwise, strategy):
+        assert r["losses_equal"] and r["params_equal"], r
