@@ -195,6 +195,8 @@ def collect_owned(
             else:
                 visit(child, prefix + name + ".")
 
+    if is_wrapper(module):  # FSDP(FSDP(m)): the inner wrapper owns everything
+        return owned, {"": module}, [("", module)]
     visit(module, "")
     return owned, module_of, inner
 

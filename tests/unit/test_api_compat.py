@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import subprocess
 import sys
@@ -174,3 +175,18 @@ def test_without_process_group_the_error_says_how_to_fix() -> None:
     code = "import torch; from fsdp import FSDP; FSDP(torch.nn.Linear(2, 2))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "init_process_group" in proc.stderr
+
+
+def test_a_wrapper_around_a_wrapper_owns_nothing(single_rank_group: None) -> None:
+    """fairscale accepts ``FSDP(FSDP(m))``: the outer wrapper owns nothing, the inner one everything."""
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 3)
+    model = FSDP(FSDP(copy.deepcopy(ref)))
+    assert model.handles == [] and len(model.module.handles) == 1
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    x = torch.randn(4, 3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    sd = model.state_dict()
+    assert list(sd) == ["weight", "bias"] and all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
