@@ -746,7 +746,7 @@ class FullyShardedDataParallel(nn.Module):
         wrappers = self._wrappers()
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
-        return sd_impl.load_full_state_dict(self, wrappers, state_dict, strict)
+        return sd_impl.load_full_state_dict(self, wrappers, self._state_layout(), state_dict, strict)
 
     # ------------------------------------------------------------------ gradient accumulation and clipping
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -466,18 +466,37 @@ def own_full_values(
 
 
 def load_full_state_dict(
-    root: Any, wrappers: Sequence[Any], state_dict: Mapping[str, Any], strict: bool
+    root: Any, wrappers: Sequence[Any], layout: Layout, state_dict: Mapping[str, Any], strict: bool
 ) -> NamedTuple:
     """Load a full state dict with the unwrapped module's keys into a wrapper tree; report keys
     under their plain names. Collective: every rank gathers every unit, in module order.
 
-    Plain names are mapped onto the tree's internal module names (which contain the wrappers'
-    ``_fsdp_wrapped_module``), then ``nn.Module.load_state_dict`` does the loading. Each wrapper
-    shows its full parameters only while its own part loads: a load pre-hook gathers them before
-    the wrapper's subtree is visited, and a post-hook, which runs once the subtree is done, writes
-    them back to the shards and frees them. So at most one unit and its ancestors are full at a
-    time, as in ``state_dict()``; the model is never full on one rank.
+    First the ranks agree that they pass state dicts of one structure (keys, shapes), so a rank
+    with another dict (e.g. the empty one ``state_dict_on_rank_0_only`` leaves on other ranks)
+    makes every rank raise before anything is loaded. Plain names are then mapped onto the tree's
+    internal module names (which contain the wrappers' ``_fsdp_wrapped_module``), and
+    ``nn.Module.load_state_dict`` does the loading. Each wrapper shows its full parameters only
+    while its own part loads: a load pre-hook gathers them before the wrapper's subtree is visited,
+    and a post-hook, which runs once the subtree is done, writes them back to the shards and frees
+    them. So at most one unit and its ancestors are full at a time, as in ``state_dict()``. Where
+    user load code runs above an inner wrapper (a load hook, or a ``_load_from_state_dict``
+    override, on a module or wrapper that contains one), it may touch the inner units' parameters,
+    so every unit is shown for the whole load instead, as fairscale does.
     """
+    structure = sorted(
+        (k, tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__)
+        for k, v in state_dict.items()
+    )
+    agree(
+        layout,
+        None,
+        "FullyShardedDataParallel.load_state_dict (nothing was loaded; a state dict saved with "
+        "state_dict_on_rank_0_only=True is empty on the other ranks: load the saved file on every rank)",
+        digest_of(structure),
+    )
+    if _user_code_above_a_unit(root, wrappers):
+        with root.summon_full_params(recurse=True):
+            return _load_renamed(root, state_dict, strict)
     shown: list[Any] = []
 
     def show(w: Any) -> Callable[..., None]:
@@ -507,8 +526,26 @@ def load_full_state_dict(
             hide(w)
 
 
+def _user_code_above_a_unit(root: nn.Module, wrappers: Sequence[Any]) -> bool:
+    """Whether a module that contains an inner wrapper has load hooks or its own ``_load_from_state_dict``."""
+    is_wrapper = {id(w) for w in wrappers}
+    modules = dict(root.named_modules(remove_duplicate=False))
+    above: set[str] = set()
+    for name, m in modules.items():
+        if name and id(m) in is_wrapper:
+            parts = name.split(".")
+            above.update(".".join(parts[:i]) for i in range(len(parts)))
+    for name in above:
+        m = modules[name]
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return True
+        if id(m) not in is_wrapper and type(m)._load_from_state_dict is not nn.Module._load_from_state_dict:
+            return True
+    return False
+
+
 def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
-    to_internal = {plain_name(name): name for name, _ in root.named_modules()}
+    to_internal = {plain_name(name): name for name, _ in root.named_modules(remove_duplicate=False)}
 
     def internal(key: str) -> str:
         module_name, _, leaf = key.rpartition(".")
@@ -521,16 +558,30 @@ def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> Nam
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         renamed._metadata = OrderedDict((to_internal.get(k, k), v) for k, v in metadata.items())  # type: ignore[attr-defined]
-    result = nn.Module.load_state_dict(root, renamed, strict=False)
+    keys: list[Any] = []  # the root's incompatible keys, as torch hands them to its post-hooks
+    capture = root.register_load_state_dict_post_hook(lambda module, incompatible: keys.append(incompatible))
+    errors: list[str] = []
+    try:
+        result = nn.Module.load_state_dict(root, renamed, strict=False)
+    except RuntimeError as e:  # size mismatches: torch names the internal keys
+        text = str(e)
+        if "Error(s) in loading state_dict" not in text:
+            raise
+        errors = [plain_name(line) for line in text.split("\n\t")[1:]]
+        result = keys[-1] if keys else _IncompatibleKeys([], [])
+    finally:
+        capture.remove()
     missing = [plain_name(k) for k in result.missing_keys]
     unexpected = [plain_name(k) for k in result.unexpected_keys]
-    if strict and (missing or unexpected):
-        parts = []
-        if unexpected:
-            parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    if strict:
         if missing:
-            parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+            errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        if unexpected:
+            errors.insert(
+                0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + "."
+            )
+    if errors:
         raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(parts)
+            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
         )
     return _IncompatibleKeys(missing, unexpected)

@@ -162,6 +162,79 @@ def test_load_state_dict_gathers_one_unit_at_a_time(pool: RankPool) -> None:
         assert r["full_counts"] == [1, 2, 2, 2, 2], r["full_counts"]
 
 
+def _load_edge_cases() -> dict[str, object]:
+    rank = dist.get_rank()
+    out: dict[str, object] = {}
+
+    # a module registered under two names (a layer shared ALBERT-style) loads strictly
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([layer, layer])
+
+    shared = FSDP(Shared())
+    out["shared_keys"] = list(shared.load_state_dict(Shared().state_dict()).missing_keys)
+
+    # a size mismatch is reported under plain names, beside the missing keys
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    model = copy.deepcopy(ref)
+    model[1] = FSDP(model[1])
+    model = FSDP(model)
+    bad = dict(ref.state_dict())
+    bad["1.0.weight"] = torch.zeros(3, 4)
+    del bad["0.bias"]
+    try:
+        model.load_state_dict(bad)
+        out["mismatch"] = ""
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+
+    # a dict saved with state_dict_on_rank_0_only is empty on rank 1: every rank raises, nothing loads
+    before = model.state_dict()
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    try:
+        model.load_state_dict(other.state_dict() if rank == 0 else {})
+        out["rank0_only"] = ""
+    except RuntimeError as e:
+        out["rank0_only"] = str(e)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    # a load hook above an inner unit sees its full parameters, and its writes persist
+    seen: list[tuple[int, ...]] = []
+
+    def renorm(module: nn.Module, keys: object) -> None:
+        inner = model.module[1].module[0].weight
+        seen.append(tuple(inner.shape))
+        with torch.no_grad():
+            inner.mul_(0)
+
+    hook = model.module.register_load_state_dict_post_hook(renorm)
+    model.load_state_dict(other.state_dict())
+    hook.remove()
+    after = model.state_dict()
+    out["hook_saw"] = seen
+    out["hook_wrote"] = bool((after["1.0.weight"] == 0).all())
+    out["rest_loaded"] = torch.equal(after["0.weight"], other.state_dict()["0.weight"])
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_load_state_dict_edge_cases(pool: RankPool) -> None:
+    for r in pool.run(_load_edge_cases):
+        assert r["shared_keys"] == []
+        msg = r["mismatch"]
+        assert "for Sequential" in msg and "size mismatch for 1.0.weight" in msg, msg
+        assert 'Missing key(s) in state_dict: "0.bias"' in msg and "_fsdp_wrapped_module" not in msg, msg
+        assert "nothing was loaded" in r["rank0_only"] and "state_dict_on_rank_0_only" in r["rank0_only"]
+        assert r["unchanged"]
+        assert r["hook_saw"] == [(4, 4)] and r["hook_wrote"] and r["rest_loaded"], r
+
+
 def _state_dict_options() -> dict[str, object]:
     rank = dist.get_rank()
     ref = build("nested", seed=1)
