@@ -115,7 +115,7 @@ def check_groups(root: FSDP, world_size: int) -> None:
     """Every wrapper communicates over groups of this world (a stale cached group would not match)."""
     world = dist.group.WORLD
     for w in get_fsdp_instances(root):
-        comm = w.config.comm
+        comm = w.fsdp_config.comm
         assert comm.process_group is world, "a wrapper shards over a group of another world"
         rs = comm.process_group_reduce_scatter
         assert dist.get_world_size(rs) == world_size, (

@@ -192,10 +192,8 @@ class CommConfig:
     dp_rank: int = -1  # -1: rank
 
     def __post_init__(self) -> None:
-        if self.bucket_cap_mb < 0:
-            raise ValueError(
-                f"FullyShardedDataParallel: `bucket_cap_mb` must be >= 0, got {self.bucket_cap_mb}"
-            )
+        if self.bucket_cap_mb < 0:  # fairscale: a value <= 0 disables bucketing
+            object.__setattr__(self, "bucket_cap_mb", 0.0)
         for name in ("gradient_predivide_factor", "gradient_postdivide_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"FullyShardedDataParallel: `{name}` must be > 0, got {getattr(self, name)}")

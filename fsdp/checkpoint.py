@@ -10,13 +10,16 @@ with FSDP in both orders:
   which then only re-points ``m`` at the already gathered parameters.
 
 It uses torch's non-reentrant checkpoint, so the recomputed region takes part in the same backward
-pass (one end-of-backward callback, hooks fire once).
+pass (one end-of-backward callback, hooks fire once). Batch norms update their running statistics
+in the forward only, not again in the recomputation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,8 +75,33 @@ def _checkpointed_forward(
     def call(*flat: Any) -> Any:
         return original(module, *flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
-    run = functools.partial(torch.utils.checkpoint.checkpoint, call, use_reentrant=False)
+    run = functools.partial(
+        torch.utils.checkpoint.checkpoint,
+        call,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _running_stats_frozen(module)),
+    )
     if offload_to_cpu:  # pinned host memory on CUDA: the copies do not block the host
         with torch.autograd.graph.save_on_cpu(pin_memory=default_compute_device(set()).type == "cuda"):
             return run(*args, *kwargs.values())
     return run(*args, *kwargs.values())
+
+
+@contextlib.contextmanager
+def _running_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """During the recomputation, batch norms do not update their running statistics a second time
+    (fairscale's ``patch_batchnorm``): the buffers are copied before and restored after. The
+    recomputation itself runs exactly as the forward did (same saved tensors, same outputs)."""
+    saved = [
+        (m, [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, values in saved:
+                current = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+                for buffer, value in zip(current, values, strict=True):
+                    buffer.copy_(value)

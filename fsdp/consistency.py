@@ -54,7 +54,7 @@ def fingerprint(root: Any, wrappers: list[Any]) -> list[str]:
 
 def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
     """Compare a fingerprint of the wrapper tree across ranks; raise on every rank if they differ."""
-    group = root.config.comm.dp_group
+    group = root.fsdp_config.comm.dp_group
     if root.world_size == 1:
         return
     lines = fingerprint(root, wrappers)
@@ -83,8 +83,8 @@ def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
     mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
     both = torch.cat([mine, -mine]).to(root.compute_device)
     stats = root._ctx.stats if root._ctx is not None else None
-    assert root.config.comm.dp_group is not None
-    all_reduce(both, root.config.comm.dp_group, op=dist.ReduceOp.MAX, stats=stats).wait()
+    assert root.fsdp_config.comm.dp_group is not None
+    all_reduce(both, root.fsdp_config.comm.dp_group, op=dist.ReduceOp.MAX, stats=stats).wait()
     both = both.cpu()
     hi, lo = both[: len(handles)], -both[len(handles) :]
     differ = [i for i in range(len(handles)) if hi[i] != lo[i]]

@@ -33,6 +33,7 @@ from torch.profiler import record_function as _record_function
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
 from fsdp._device import DeviceHandle, SideCopies
+from fsdp._fairscale_attrs import FairscaleAttributes
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -53,6 +54,7 @@ from fsdp.consistency import (
     WRAPPED,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
+    plain_name,
     wrapper_path,
 )
 from fsdp.flat_param import group_params, own_parameters
@@ -108,7 +110,7 @@ class _RootContext:
         self.sync = True
         self.bucketer = None
         self.bucket_index = {}
-        self.scheduler = Scheduler(wrappers[0].config.schedule, device)
+        self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
         self.in_flight = collections.deque()
 
     def finish_reductions(self) -> None:
@@ -117,7 +119,7 @@ class _RootContext:
             self.in_flight.popleft().finalize_gradient(asynchronous=True)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel``: the constructor takes the same keyword
@@ -232,7 +234,7 @@ class FullyShardedDataParallel(nn.Module):
             owned,
         )
 
-        self.config = FSDPConfig(
+        self.fsdp_config = FSDPConfig(
             sharding=ShardingConfig(
                 reshard_after_forward, disable_reshard_on_root, flatten_parameters, strategy
             ),
@@ -271,7 +273,7 @@ class FullyShardedDataParallel(nn.Module):
                 entries,
                 shared,
                 module_of,
-                self.config.comm,
+                self.fsdp_config.comm,
                 device,
                 stats,
                 precision.param_dtype,
@@ -318,49 +320,12 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     @property
-    def world_size(self) -> int:
-        """Ranks that train this model together (all of them, whatever the sharding strategy)."""
-        return self.config.comm.dp_world_size
-
-    @property
-    def rank(self) -> int:
-        """This rank's index among :attr:`world_size`."""
-        return self.config.comm.dp_rank
-
-    @property
-    def move_params_to_cpu(self) -> bool:
-        return self.config.offload.params_to_cpu
-
-    @property
-    def move_grads_to_cpu(self) -> bool:
-        return self.config.offload.grads_to_cpu
-
-    cpu_offload = move_params_to_cpu  # fairscale's older name
-
-    @property
-    def sharding_strategy(self) -> ShardingStrategy:
-        return self.config.sharding.strategy
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        return self.config.comm.process_group
-
-    @property
-    def compute_device(self) -> torch.device:
-        return self.config.compute_device
-
-    @property
     def is_root(self) -> bool | None:
         """True for the wrapper that ran the first forward; None before any forward."""
         return self._is_root
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """This wrapper's own flat parameters (fairscale name)."""
-        return [h.flat_param for h in self.handles]
-
     def extra_repr(self) -> str:
-        sharding = self.config.sharding
+        sharding = self.fsdp_config.sharding
         numel = sum(h.meta.numel for h in self.handles)
         local = sum(h.spec.chunk for h in self.handles)
         text = (
@@ -368,14 +333,14 @@ class FullyShardedDataParallel(nn.Module):
             f"reshard_after_forward={sharding.reshard_after_forward}, flat_params={len(self.handles)}, "
             f"numel={numel}, local_numel={local}"
         )
-        if self.config.verbose:
+        if self.fsdp_config.verbose:
             text += (
                 f", is_root={self._is_root}, training_state={self.training_state.name}, "
                 f"disable_reshard_on_root={sharding.disable_reshard_on_root}, "
-                f"compute_device={self.compute_device}, bucket_cap_mb={self.config.comm.bucket_cap_mb}, "
-                f"gradient_predivide_factor={self.config.comm.gradient_predivide_factor}, "
-                f"state_dict_device={self.config.state_dict.state_dict_device}, "
-                f"state_dict_on_rank_0_only={self.config.state_dict.state_dict_on_rank_0_only}"
+                f"compute_device={self.compute_device}, bucket_cap_mb={self.fsdp_config.comm.bucket_cap_mb}, "
+                f"gradient_predivide_factor={self.fsdp_config.comm.gradient_predivide_factor}, "
+                f"state_dict_device={self.fsdp_config.state_dict.state_dict_device}, "
+                f"state_dict_on_rank_0_only={self.fsdp_config.state_dict.state_dict_on_rank_0_only}"
             )
         return text
 
@@ -414,7 +379,7 @@ class FullyShardedDataParallel(nn.Module):
                     "forward: call forward on the outermost wrapper only (or do not nest it)"
                 )
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
-        cap = int(self.config.comm.bucket_cap_mb * 2**20)
+        cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
         rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
         for w in wrappers:
             w._ctx = ctx
@@ -422,7 +387,7 @@ class FullyShardedDataParallel(nn.Module):
             for h in w.handles:
                 h.stats = ctx.stats
                 h.rs_bucketer = rs_bucketer
-        sharding = self.config.sharding
+        sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         check_same_wrappers_on_all_ranks(self, wrappers)
         _make_bucketer(self, ctx)
@@ -435,7 +400,7 @@ class FullyShardedDataParallel(nn.Module):
         self.assert_state(TrainingState.IDLE)
         assert self._ctx is not None
         grad_enabled = torch.is_grad_enabled()
-        precision = self.config.precision
+        precision = self.fsdp_config.precision
         if self._is_root and precision.mixed and precision.cast_forward_inputs:
             assert precision.param_dtype is not None
             args, kwargs = cast_inputs((args, kwargs), torch.float32, precision.param_dtype, detach=True)
@@ -480,7 +445,7 @@ class FullyShardedDataParallel(nn.Module):
         The parameters are already gathered by the pre-backward hook and are freed by the
         post-backward hook, so this only points the module at them and runs it.
         """
-        precision = self.config.precision
+        precision = self.fsdp_config.precision
         if self._is_root and precision.mixed and precision.cast_forward_inputs:
             assert precision.param_dtype is not None
             args, kwargs = cast_inputs((args, kwargs), torch.float32, precision.param_dtype, detach=True)
@@ -604,6 +569,28 @@ class FullyShardedDataParallel(nn.Module):
                 w.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------ full parameters
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters`` with fairscale's names: inside ``summon_full_params`` the
+        original parameters under the plain module's names (no ``_fsdp_wrapped_module``); with
+        ``flatten_parameters=False`` each parameter's shard under its original name."""
+        plain = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        unflat = {
+            id(h.flat_param): h.meta.fqns[0]
+            for w in (self._wrappers() if recurse else [self])
+            if not w.fsdp_config.sharding.flatten_parameters
+            for h in w.handles
+        }
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if plain:
+                yield plain_name(name), p
+            elif id(p) in unflat:
+                path = plain_name(name.rpartition(".")[0])
+                yield (f"{path}." if path else "") + unflat[id(p)], p
+            else:
+                yield name, p
+
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator[None, None, None]:
         """Gather the full parameters and show them under their original names and shapes.
@@ -660,7 +647,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-initialize the wrapped module (only with ``allow_reset_parameters=True``)."""
-        if not self.config.allow_reset_parameters:
+        if not self.fsdp_config.allow_reset_parameters:
             raise RuntimeError(
                 "FullyShardedDataParallel: reset_parameters() after wrapping is not allowed; pass "
                 "allow_reset_parameters=True if the module's reset_parameters() is safe to run on full parameters"
@@ -674,9 +661,11 @@ class FullyShardedDataParallel(nn.Module):
         wrappers = self._wrappers() if recursive else [self]
         for w in wrappers:
             comm = dataclasses.replace(
-                w.config.comm, gradient_predivide_factor=float(pre), gradient_postdivide_factor=float(post)
+                w.fsdp_config.comm,
+                gradient_predivide_factor=float(pre),
+                gradient_postdivide_factor=float(post),
             )
-            w.config = dataclasses.replace(w.config, comm=comm)
+            w.fsdp_config = dataclasses.replace(w.fsdp_config, comm=comm)
             for h in w.handles:
                 h.comm = comm
 
@@ -708,8 +697,8 @@ class FullyShardedDataParallel(nn.Module):
             destination = OrderedDict()
             destination._metadata = OrderedDict()  # type: ignore[attr-defined]
         self.assert_state(TrainingState.IDLE)
-        cfg = self.config.state_dict
-        device = cfg.state_dict_device or self.compute_device
+        cfg = self.fsdp_config.state_dict
+        device = self.state_dict_device
         keep = not cfg.state_dict_on_rank_0_only or self.rank == 0
         with self._state(TrainingState.SUMMON_FULL_PARAMS):
             self._show_full_params()
@@ -723,10 +712,10 @@ class FullyShardedDataParallel(nn.Module):
         if top:
             if not keep:
                 destination.clear()
-            elif cfg.state_dict_device is not None:
+            elif device != self.compute_device:  # buffers too
                 for key, value in destination.items():
                     if isinstance(value, torch.Tensor):
-                        destination[key] = value.to(cfg.state_dict_device)
+                        destination[key] = value.to(device)
         return destination
 
     def load_state_dict(
@@ -815,23 +804,30 @@ class FullyShardedDataParallel(nn.Module):
                 tuple(w.handles),
                 w._module_param_order,
                 w._buffer_dtypes,
-                w.config.no_broadcast_optim_state,
+                w.fsdp_config.no_broadcast_optim_state,
             )
             for w in wrappers
         }
-        comm = self.config.comm
+        comm = self.fsdp_config.comm
         assert comm.dp_group is not None
         return sd_impl.describe(
             self, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
         )
 
-    def local_state_dict(self) -> dict[str, Any]:
+    def local_state_dict(
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
         """This rank's flat shards and buffers: the fast path to resume at the same world size and wrap plan.
 
         Keys ``"<wrapper path>.flat_param_<i>"`` and the buffers' names, plus an identity entry that
-        :meth:`load_local_state_dict` checks. Values are references (as in ``nn.Module.state_dict``).
+        :meth:`load_local_state_dict` checks. Values are detached references (as in
+        ``nn.Module.state_dict``), or the parameters themselves with ``keep_vars``. As in fairscale,
+        entries go into ``destination`` if given, under ``prefix``.
         """
-        return sd_impl.local_state_dict(self._state_layout())
+        local = sd_impl.local_state_dict(self._state_layout(), keep_vars)
+        out = destination if destination is not None else OrderedDict()
+        out.update((prefix + k, v) for k, v in local.items())
+        return out
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load this rank's :meth:`local_state_dict`. Another world size, rank or wrap plan raises
@@ -896,9 +892,11 @@ class FullyShardedDataParallel(nn.Module):
 FSDP = FullyShardedDataParallel
 
 
-def get_fsdp_instances(module: nn.Module) -> list[FullyShardedDataParallel]:
-    """Every FullyShardedDataParallel inside ``module`` (itself included), outermost first."""
-    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list[FullyShardedDataParallel]:
+    """Every FullyShardedDataParallel inside ``module`` (itself included), outermost first; with
+    ``skip_empty``, only those that own parameters."""
+    found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    return [m for m in found if m.handles] if skip_empty else found
 
 
 # ---------------------------------------------------------------------- helpers
@@ -906,5 +904,5 @@ def _make_bucketer(root: FullyShardedDataParallel, ctx: _RootContext) -> None:
     """The bucket engine for the tree's NO_SHARD flat parameters (shared with DistributedDataParallel)."""
     items = [(f"{wrapper_path(root, w)}:{'+'.join(h.meta.fqns)}", h) for w in ctx.wrappers for h in w.handles]
     ctx.bucketer, ctx.bucket_index = make_no_shard_bucketer(
-        items, root.config.comm.bucket_cap_mb, ctx.device, ctx.stats
+        items, root.fsdp_config.comm.bucket_cap_mb, ctx.device, ctx.stats
     )

@@ -41,6 +41,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         enabled: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        if isinstance(device, (int, float)) and not isinstance(device, bool):
+            raise TypeError(
+                f"ShardedGradScaler: the first argument is the device (torch.amp.GradScaler's order), got "
+                f"{device!r}; pass the scale by keyword, init_scale={device!r} (fairscale's first argument)"
+            )
         if device is None:
             device = default_compute_device(set()).type  # CUDA when available, else CPU
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)

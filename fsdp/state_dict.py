@@ -117,17 +117,18 @@ def _local_identity(layout: Layout) -> dict[str, Any]:
     }
 
 
-def local_state_dict(layout: Layout) -> dict[str, Any]:
+def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     """This rank's flat shards (``"<wrapper path>.flat_param_<i>"``), the buffers, and an identity entry.
 
-    Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the model.
+    Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
+    model. With ``keep_vars`` the flat parameters and buffers themselves.
     """
     out: dict[str, Any] = {}
     for unit in layout.units:
         for i, h in enumerate(unit.handles):
-            out[_join(unit.path, f"flat_param_{i}")] = h.flat_param.detach()
+            out[_join(unit.path, f"flat_param_{i}")] = h.flat_param if keep_vars else h.flat_param.detach()
     for b in layout.buffers:
-        out[b.name] = b.tensor.detach()
+        out[b.name] = b.tensor if keep_vars else b.tensor.detach()
     out[LOCAL_STATE_KEY] = _local_identity(layout)
     return out
 

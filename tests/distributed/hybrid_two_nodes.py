@@ -28,7 +28,7 @@ def main() -> None:
     ref = build("nested")
     model = wrap(copy.deepcopy(ref), spec.wrap, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
     diffs = compare_training(ref, model, spec.make_input, spec.loss, steps=3)
-    comm = model.config.comm
+    comm = model.fsdp_config.comm
     result = {
         "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
         "shard_size": comm.world_size,

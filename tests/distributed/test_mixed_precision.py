@@ -141,8 +141,8 @@ def _numerics(fp32_reduce_scatter: bool) -> dict[str, float]:
     kwargs = {"mixed_precision": True, "compute_dtype": BF16, "fp32_reduce_scatter": fp32_reduce_scatter}
     net[2] = FSDP(net[2], **kwargs)
     model = FSDP(net, **kwargs)
-    pre = model.config.comm.gradient_predivide_factor
-    post = model.config.comm.gradient_postdivide_factor
+    pre = model.fsdp_config.comm.gradient_predivide_factor
+    post = model.fsdp_config.comm.gradient_postdivide_factor
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     master_opt = torch.optim.SGD(master.parameters(), lr=0.5)
     fp32_opt = torch.optim.SGD(fp32.parameters(), lr=0.5)

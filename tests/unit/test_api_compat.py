@@ -115,7 +115,6 @@ def test_equal_dtypes_are_accepted(single_rank_group: None) -> None:
     ("kwargs", "error", "match"),
     [
         ({"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward"),
-        ({"bucket_cap_mb": -1}, ValueError, "bucket_cap_mb"),
         ({"gradient_predivide_factor": -2.0}, ValueError, "gradient_predivide_factor"),
         ({"process_group_reduce_scatter": "nope"}, TypeError, "process_group_reduce_scatter"),
     ],
@@ -138,7 +137,7 @@ def test_not_a_module(single_rank_group: None) -> None:
 
 def test_default_process_group_names(single_rank_group: None) -> None:
     model = FSDP(nn.Linear(2, 2), process_group_reduce_scatter=ProcessGroupName.default)
-    assert model.config.comm.process_group_reduce_scatter is model.process_group
+    assert model.fsdp_config.comm.process_group_reduce_scatter is model.process_group
 
 
 def test_attribute_and_item_forwarding_and_repr(single_rank_group: None) -> None:
@@ -190,3 +189,60 @@ def test_a_wrapper_around_a_wrapper_owns_nothing(single_rank_group: None) -> Non
         o.step()
     sd = model.state_dict()
     assert list(sd) == ["weight", "bias"] and all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+
+
+def test_fairscale_attributes_are_readable(single_rank_group: None) -> None:
+    model = FSDP(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+        mixed_precision=True,
+        compute_dtype=torch.bfloat16,
+        fp32_reduce_scatter=True,
+        bucket_cap_mb=-1,  # fairscale: <= 0 disables bucketing
+        reshard_after_forward=False,
+    )
+    assert model.mixed_precision and model.compute_dtype == torch.bfloat16
+    assert model.buffer_dtype == torch.bfloat16 and model.fp32_reduce_scatter
+    assert model.flatten_parameters and not model.reshard_after_forward and model.disable_reshard_on_root
+    assert model.bucket_cap_mb == 0
+    assert model.gradient_predivide_factor * model.gradient_postdivide_factor == model.world_size == 1
+    assert model.numel_padded_per_param == [0] and model.non_shared_params() == model.params
+    assert model.state_dict_device == model.compute_device and model.process_group_reduce_scatter is not None
+    model(torch.ones(2, 3)).float().sum().backward()
+    assert model.params_with_grad == model.params
+    plain = FSDP(nn.Linear(2, 2))
+    assert (
+        not plain.mixed_precision and plain.compute_dtype == torch.float32 and not plain.fp32_reduce_scatter
+    )
+    assert fsdp.get_fsdp_instances(FSDP(FSDP(nn.Linear(2, 2))), skip_empty=True)[0].handles
+
+
+def test_a_wrapped_module_keeps_its_config_attribute(single_rank_group: None) -> None:
+    class WithConfig(nn.Linear):
+        config = {"vocab_size": 11}  # as a Hugging Face model carries its config
+
+    assert FSDP(WithConfig(2, 2)).config == {"vocab_size": 11}
+
+
+def test_unflattened_parameters_are_named_like_the_module(single_rank_group: None) -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2, bias=False)))
+    module[1] = FSDP(module[1], flatten_parameters=False)
+    model = FSDP(module, flatten_parameters=False)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == ["0.weight", "0.bias", "1.0.weight"], names
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    assert len(decay) == 2
+
+
+def test_local_state_dict_takes_fairscale_arguments(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2))
+    out: dict = {}
+    assert model.local_state_dict(out, prefix="model.") is out
+    assert "model.flat_param_0" in out
+    assert model.local_state_dict(keep_vars=True)["flat_param_0"] is model.params[0]
+
+
+def test_a_number_first_to_the_scaler_is_refused_with_the_keyword() -> None:
+    from fsdp import ShardedGradScaler
+
+    with pytest.raises(TypeError, match=r"init_scale=1024"):
+        ShardedGradScaler(1024)

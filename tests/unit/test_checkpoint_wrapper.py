@@ -1,0 +1,32 @@
+"""checkpoint_wrapper on its own and under a one-rank FSDP: batch norms count each batch once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp.checkpoint import checkpoint_wrapper
+
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_batch_norm_statistics_update_once_per_forward(single_rank_group: None, wrapped: bool) -> None:
+    ref = _block()
+    block = checkpoint_wrapper(copy.deepcopy(ref))
+    model = FSDP(block) if wrapped else block
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        for m in (ref, model):
+            m(x).pow(2).mean().backward()
+    ours = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(ours[key], value, atol=1e-6), key
+    assert int(ours["1.num_batches_tracked"]) == 3
