@@ -4,7 +4,7 @@ A nanoGPT-like decoder-only transformer learns to write Python, one character at
 source files of Python's own standard library (present on every machine with Python, so the example
 needs no download). Each transformer block is its own FSDP unit and the root unit owns the rest
 (embeddings, final norm, language-model head), so at any time a rank holds the full parameters of
-only one block plus the root, and otherwise just its 1/world_size shard of everything.
+at most two blocks (the one computing and the next, prefetched) plus the root, and otherwise just its 1/world_size shard of everything.
 
 Launch (CPU with gloo by default; NCCL and cuda:LOCAL_RANK when CUDA is available):
 

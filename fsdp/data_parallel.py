@@ -1,8 +1,8 @@
 """apex-style data parallelism: replicated parameters, learned gradient buckets overlapped with backward.
 
 :class:`DistributedDataParallel` keeps a full copy of the module on every rank and averages
-gradients with all-reduces. It takes the arguments of apex's ``apex.parallel.DistributedDataParallel``
-(removed from apex in 2025), plus ``process_group``. The bucket engine is :mod:`fsdp.buckets`; this
+gradients with all-reduces. It takes the arguments of apex's ``apex.parallel.DistributedDataParallel``,
+plus ``process_group``. The bucket engine is :mod:`fsdp.buckets`; this
 module owns the hooks, the forward, the trainable-set check and the no-sync switch.
 """
 
@@ -87,7 +87,7 @@ class DistributedDataParallel(nn.Module):
 
     module: nn.Module
     process_group: dist.ProcessGroup
-    need_reduction: bool  # False: backwards keep their gradients local (apex's BERT fork's switch)
+    need_reduction: bool  # False: backwards keep their gradients local (apex's switch)
     comm_stats: CommStats  # every collective this wrapper launched (calls, elements, bytes, dtypes)
     bucket_config: BucketConfig
     delay_allreduce: bool
