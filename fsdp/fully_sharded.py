@@ -681,34 +681,41 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
 
     # ------------------------------------------------------------------ state dict
     def state_dict(
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False, **kwargs: Any
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> Any:
         """Full, unsharded state dict with the unwrapped module's keys. Collective: all ranks call it.
 
         Each wrapper gathers only its own parameters while its part is written, so at most one
-        unit (and its ancestors) is full at a time.
+        unit (and its ancestors) is full at a time. Inside ``summon_full_params()`` the shown full
+        parameters are used as they are (in-place changes not yet written back included), as in
+        fairscale. ``destination, prefix, keep_vars`` may also come positionally (with torch's
+        deprecation warning), as ``nn.Module.state_dict`` still allows.
         """
-        if args or kwargs:
-            raise TypeError(
-                "FullyShardedDataParallel.state_dict takes keyword arguments destination, prefix, keep_vars"
-            )
+        if args:
+            destination, prefix, keep_vars = sd_impl.positional_args(args, destination, prefix, keep_vars)
         top = destination is None
         if top:
             destination = OrderedDict()
             destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-        self.assert_state(TrainingState.IDLE)
         cfg = self.fsdp_config.state_dict
         device = self.state_dict_device
         keep = not cfg.state_dict_on_rank_0_only or self.rank == 0
-        with self._state(TrainingState.SUMMON_FULL_PARAMS):
-            self._show_full_params()
-            try:
-                self._fsdp_wrapped_module.state_dict(
-                    destination=destination, prefix=prefix, keep_vars=keep_vars
-                )
-                sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
-            finally:
-                self._hide_full_params(write_back=False)
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:  # shown by the user's summon
+            self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
+        else:
+            self.assert_state(TrainingState.IDLE)
+            with self._state(TrainingState.SUMMON_FULL_PARAMS):
+                self._show_full_params()
+                try:
+                    self._fsdp_wrapped_module.state_dict(
+                        destination=destination, prefix=prefix, keep_vars=keep_vars
+                    )
+                    sd_impl.own_full_values(
+                        self.handles, self._buffer_dtypes, destination, prefix, device, keep
+                    )
+                finally:
+                    self._hide_full_params(write_back=False)
         if top:
             if not keep:
                 destination.clear()

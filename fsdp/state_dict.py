@@ -33,6 +33,7 @@ shapes, row-sharded DTensors), so its checkpoints and ours load into each other.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -427,6 +428,23 @@ def load_sharded_state_dict(layout: Layout, state: Mapping[str, Any], strict: bo
         plan.digest,
     )
     return apply_sharded_state_dict(layout, plan)
+
+
+def positional_args(
+    args: tuple[Any, ...], destination: Any, prefix: str, keep_vars: bool
+) -> tuple[Any, str, bool]:
+    """``state_dict(destination, prefix, keep_vars)`` given positionally, as ``nn.Module`` still
+    accepts with a deprecation warning (fairscale's wrapper passed them on)."""
+    if len(args) > 3:
+        raise TypeError(f"state_dict() takes at most 3 positional arguments, got {len(args)}")
+    warnings.warn(
+        "Positional arguments to state_dict() are deprecated (as in torch); pass destination=, prefix=, "
+        "keep_vars= by keyword",
+        FutureWarning,
+        stacklevel=3,
+    )
+    given = [*args, *[destination, prefix, keep_vars][len(args) :]]
+    return given[0], str(given[1]), bool(given[2])
 
 
 def own_full_values(

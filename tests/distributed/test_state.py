@@ -235,6 +235,36 @@ def test_load_state_dict_edge_cases(pool: RankPool) -> None:
         assert r["hook_saw"] == [(4, 4)] and r["hook_wrote"] and r["rest_loaded"], r
 
 
+def _state_dict_fairscale_calls() -> dict[str, object]:
+    import warnings
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    model = copy.deepcopy(ref)
+    model[1] = FSDP(model[1])
+    model = FSDP(model)
+    with model.summon_full_params():
+        with torch.no_grad():
+            model.module[1].module[0].weight.fill_(7.0)
+        inside = model.state_dict()  # fairscale allows it: the shown values, edits included
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        positional = model.state_dict(None, "net.")
+    return {
+        "inside_edit": bool((inside["1.0.weight"] == 7.0).all()),
+        "inside_keys": list(inside) == list(ref.state_dict()),
+        "positional_keys": list(positional) == ["net." + k for k in ref.state_dict()],
+        "warned": any(issubclass(w.category, FutureWarning) for w in caught),
+        "idle": all(w.training_state is TrainingState.IDLE for w in model.modules() if isinstance(w, FSDP)),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_state_dict_inside_summon_and_with_positional_arguments(pool: RankPool) -> None:
+    for r in pool.run(_state_dict_fairscale_calls):
+        assert all(r.values()), r
+
+
 def _state_dict_options() -> dict[str, object]:
     rank = dist.get_rank()
     ref = build("nested", seed=1)
