@@ -57,7 +57,7 @@ from fsdp.consistency import (
     plain_name,
     wrapper_path,
 )
-from fsdp.flat_param import group_params, own_parameters
+from fsdp.flat_param import collect_owned, group_params, own_parameters
 from fsdp.handle import (
     FlatParamHandle,
     clip_grad_norm_,
@@ -215,30 +215,20 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
 
         is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         target = materialize_device(compute_device, params_to_cpu, groups.dp)
-        owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
-        device = choose_compute_device(
-            compute_device,
-            module,
-            {p.device for _, p in owned},
-            {w.compute_device for _, w in inner},
-            params_to_cpu,
-            groups.dp,
-        )
-        precision = resolve_precision(
-            mixed_precision,
-            compute_dtype,
-            buffer_dtype,
-            fp32_reduce_scatter,
-            force_input_to_fp32,
-            clear_autocast_cache,
-            owned,
-        )
-
-        self.fsdp_config = FSDPConfig(
+        # every option is validated before a meta unit is materialized (dtypes are known on meta)
+        config = FSDPConfig(
             sharding=ShardingConfig(
                 reshard_after_forward, disable_reshard_on_root, flatten_parameters, strategy
             ),
-            precision=precision,
+            precision=resolve_precision(
+                mixed_precision,
+                compute_dtype,
+                buffer_dtype,
+                fp32_reduce_scatter,
+                force_input_to_fp32,
+                clear_autocast_cache,
+                collect_owned(module, is_wrapper)[0],
+            ),
             comm=CommConfig(
                 groups.shard,
                 rs_group,
@@ -256,13 +246,24 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                 torch.device(state_dict_device) if state_dict_device is not None else None,
                 state_dict_on_rank_0_only,
             ),
-            compute_device=device,
+            compute_device=target,
             offload=offload,
             schedule=ScheduleConfig(backward_prefetch, forward_prefetch, limit_all_gathers),
             no_broadcast_optim_state=bool(no_broadcast_optim_state),
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
         )
+        owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
+        device = choose_compute_device(
+            compute_device,
+            module,
+            {p.device for _, p in owned},
+            {w.compute_device for _, w in inner},
+            params_to_cpu,
+            groups.dp,
+        )
+        self.fsdp_config = dataclasses.replace(config, compute_device=device)
+        precision = config.precision
         self._fsdp_wrapped_module = module
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}

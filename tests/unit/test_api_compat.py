@@ -246,3 +246,22 @@ def test_a_number_first_to_the_scaler_is_refused_with_the_keyword() -> None:
 
     with pytest.raises(TypeError, match=r"init_scale=1024"):
         ShardedGradScaler(1024)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"flatten_parameters": 1}, TypeError),
+        ({"fp32_reduce_scatter": True}, ValueError),
+        ({"gradient_predivide_factor": -2.0}, ValueError),
+    ],
+)
+def test_options_are_checked_before_a_meta_module_is_materialized(
+    single_rank_group: None, kwargs: dict, error: type
+) -> None:
+    with torch.device("meta"):
+        module = nn.Linear(2, 2)
+    initialized: list[nn.Module] = []
+    with pytest.raises(error):
+        FSDP(module, param_init_fn=initialized.append, **kwargs)
+    assert initialized == [] and module.weight.is_meta, "nothing was materialized"
