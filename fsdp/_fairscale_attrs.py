@@ -2,11 +2,14 @@
 
 fairscale stores its constructor arguments, resolved, as plain attributes (``model.compute_dtype``,
 ``model.gradient_postdivide_factor``, ...), and code written for it reads them. Here they are
-read-only properties over :class:`~fsdp.api.FSDPConfig`, mixed into the wrapper.
+read-only properties over :class:`~fsdp.api.FSDPConfig`, mixed into the wrapper. Where the
+wrapped module has an attribute of the same name (``nn.LSTM.flatten_parameters``, a model's own
+``verbose``), that attribute wins, as it did when lookups fell through to the module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +19,19 @@ from torch import nn
 from fsdp.api import FSDPConfig, ShardingStrategy
 
 __all__ = ["FairscaleAttributes"]
+
+
+def _option(read: Callable[[Any], Any]) -> property:
+    """A read-only fairscale attribute, unless the wrapped module has one of that name."""
+    name = read.__name__
+
+    def get(self: Any) -> Any:
+        module = self.__dict__.get("_modules", {}).get("_fsdp_wrapped_module")
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+        return read(self)
+
+    return property(get, doc=read.__doc__)
 
 
 class FairscaleAttributes:
@@ -37,7 +53,7 @@ class FairscaleAttributes:
     def process_group(self) -> dist.ProcessGroup:
         return self.fsdp_config.comm.process_group
 
-    @property
+    @_option
     def process_group_reduce_scatter(self) -> dist.ProcessGroup:
         return self.fsdp_config.comm.process_group_reduce_scatter
 
@@ -59,12 +75,12 @@ class FairscaleAttributes:
 
     cpu_offload = move_params_to_cpu  # fairscale's older name
 
-    @property
+    @_option
     def mixed_precision(self) -> bool:
         """Whether parameters are cast for the all-gather and compute."""
         return self.fsdp_config.precision.mixed
 
-    @property
+    @_option
     def compute_dtype(self) -> torch.dtype:
         """The dtype forward and backward run in (the parameters' own dtype without casting)."""
         dtype = self.fsdp_config.precision.param_dtype
@@ -72,70 +88,73 @@ class FairscaleAttributes:
             dtype = self.handles[0].meta.dtype if self.handles else torch.get_default_dtype()
         return dtype
 
-    @property
+    @_option
     def buffer_dtype(self) -> torch.dtype:
         return self.fsdp_config.precision.buffer_dtype or self.compute_dtype
 
-    @property
+    @_option
     def fp32_reduce_scatter(self) -> bool:
         precision = self.fsdp_config.precision
         return precision.mixed and precision.reduce_dtype == torch.float32
 
-    @property
+    @_option
     def force_input_to_fp32(self) -> bool:
         return self.fsdp_config.precision.force_input_to_fp32
 
-    @property
+    @_option
     def clear_autocast_cache(self) -> bool:
         return self.fsdp_config.precision.clear_autocast_cache
 
-    @property
+    @_option
     def flatten_parameters(self) -> bool:
         return self.fsdp_config.sharding.flatten_parameters
 
-    @property
+    @_option
     def reshard_after_forward(self) -> bool:
         """Whether full parameters are freed after forward (the root's decision once it is known)."""
         return self._reshard_after_forward
 
-    @property
+    @_option
     def disable_reshard_on_root(self) -> bool:
         return self.fsdp_config.sharding.disable_reshard_on_root
 
-    @property
+    @_option
     def bucket_cap_mb(self) -> float:
         return self.fsdp_config.comm.bucket_cap_mb
 
-    @property
+    @_option
     def gradient_predivide_factor(self) -> float:
         return self.fsdp_config.comm.gradient_predivide_factor
 
-    @property
+    @_option
     def gradient_postdivide_factor(self) -> float:
         return self.fsdp_config.comm.gradient_postdivide_factor
 
-    @property
+    @_option
     def state_dict_device(self) -> torch.device:
         """Where ``state_dict()`` puts its values: the one given, else the CPU under
         ``move_params_to_cpu`` (as fairscale), else the compute device."""
+        return self._state_dict_device()
+
+    def _state_dict_device(self) -> torch.device:
         given = self.fsdp_config.state_dict.state_dict_device
         if given is not None:
             return given
         return torch.device("cpu") if self.move_params_to_cpu else self.compute_device
 
-    @property
+    @_option
     def state_dict_on_rank_0_only(self) -> bool:
         return self.fsdp_config.state_dict.state_dict_on_rank_0_only
 
-    @property
+    @_option
     def no_broadcast_optim_state(self) -> bool:
         return self.fsdp_config.no_broadcast_optim_state
 
-    @property
+    @_option
     def allow_reset_parameters(self) -> bool:
         return self.fsdp_config.allow_reset_parameters
 
-    @property
+    @_option
     def verbose(self) -> bool:
         return self.fsdp_config.verbose
 
@@ -149,12 +168,12 @@ class FairscaleAttributes:
         (a parameter tied across wrappers is refused at construction)."""
         return self.params
 
-    @property
+    @_option
     def numel_padded_per_param(self) -> list[int]:
         """Padding elements in this rank's shard of each flat parameter (fairscale name)."""
         return [h.spec.chunk - h.spec.valid for h in self.handles]
 
-    @property
+    @_option
     def params_with_grad(self) -> list[nn.Parameter]:
         """``[p for p in self.parameters() if p.grad is not None]``"""
         assert isinstance(self, nn.Module)

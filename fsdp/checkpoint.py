@@ -75,33 +75,37 @@ def _checkpointed_forward(
     def call(*flat: Any) -> Any:
         return original(module, *flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
-    run = functools.partial(
-        torch.utils.checkpoint.checkpoint,
-        call,
-        use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _running_stats_frozen(module)),
-    )
+    options: dict[str, Any] = {}
+    norms = _norms_tracking_stats(module)
+    if norms and not torch.compiler.is_compiling():  # (a compiled region takes no context_fn)
+        options["context_fn"] = lambda: (contextlib.nullcontext(), _running_stats_frozen(norms))
+    run = functools.partial(torch.utils.checkpoint.checkpoint, call, use_reentrant=False, **options)
     if offload_to_cpu:  # pinned host memory on CUDA: the copies do not block the host
         with torch.autograd.graph.save_on_cpu(pin_memory=default_compute_device(set()).type == "cuda"):
             return run(*args, *kwargs.values())
     return run(*args, *kwargs.values())
 
 
+def _norms_tracking_stats(module: nn.Module) -> list[nn.Module]:
+    """Batch and instance norms in training mode that update running statistics in forward."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]
+
+
 @contextlib.contextmanager
-def _running_stats_frozen(module: nn.Module) -> Iterator[None]:
-    """During the recomputation, batch norms do not update their running statistics a second time
+def _running_stats_frozen(norms: list[nn.Module]) -> Iterator[None]:
+    """During the recomputation, norms do not update their running statistics a second time
     (fairscale's ``patch_batchnorm``): the buffers are copied before and restored after. The
     recomputation itself runs exactly as the forward did (same saved tensors, same outputs)."""
-    saved = [
-        (m, [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    saved = [(m, {n: b.clone() for n in names if (b := getattr(m, n, None)) is not None}) for m in norms]
     try:
         yield
     finally:
         with torch.no_grad():
             for m, values in saved:
-                current = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-                for buffer, value in zip(current, values, strict=True):
-                    buffer.copy_(value)
+                for n, value in values.items():
+                    getattr(m, n).copy_(value)

@@ -138,7 +138,8 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             parameter on its own.
         compute_device: where compute runs; default: where the parameters are (CPU parameters with
             ``move_params_to_cpu`` or an NCCL-only group: the current CUDA device if any).
-        state_dict_device: where ``state_dict()`` values go; default: the compute device.
+        state_dict_device: where ``state_dict()`` values go; default: the CPU under
+            ``move_params_to_cpu``, else the compute device.
         state_dict_on_rank_0_only: rank 0 receives the full state dict, other ranks an empty one.
         gradient_predivide_factor: divide gradients by this before the reduction and by
             ``world_size / factor`` after it (default: fairscale's choice, see
@@ -148,7 +149,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     """
 
     _fsdp_wrapped_module: nn.Module
-    config: FSDPConfig
+    fsdp_config: FSDPConfig
     handles: list[FlatParamHandle]
     training_state: TrainingState
     _ctx: _RootContext | None  # set at the root's lazy init; shared by the whole tree
@@ -597,7 +598,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         """Gather the full parameters and show them under their original names and shapes.
 
         Collective: every rank must enter. Inside the context ``named_parameters()`` yields the
-        original parameters (wrapper-prefixed names), full size. On exit, in-place changes to them
+        original parameters (under the plain module's names), full size. On exit, in-place changes to them
         are written back to the shards unless ``volatile=True``.
         """
         wrappers = self._wrappers() if recurse else [self]
@@ -699,7 +700,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             destination = OrderedDict()
             destination._metadata = OrderedDict()  # type: ignore[attr-defined]
         cfg = self.fsdp_config.state_dict
-        device = self.state_dict_device
+        device = self._state_dict_device()
         keep = not cfg.state_dict_on_rank_0_only or self.rank == 0
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:  # shown by the user's summon
             self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -444,8 +444,8 @@ class FlatParamHandle:
             self.reshard(free_full=False)
             return
         self.flat_param.grad = None
-        if self._grad_acc is not None:  # the sum is reduced in the dtype this backward's gradient has
-            wire_dtype = grad.dtype
+        if self._grad_acc is not None:  # the sum is reduced in the dtype a plain backward reduces in
+            wire_dtype = self.reduce_dtype or grad.dtype
             grad = self._grad_acc.add_(grad)
             self._grad_acc = None
             if not bucketed:

@@ -126,6 +126,8 @@ def move_owned_buffers(
     """Move the buffers a wrapper owns (none under an inner wrapper) to ``device``, floating ones to
     ``dtype``; return every owned buffer's dtype before the move, by name."""
     original: dict[str, torch.dtype] = {}
+    if is_wrapper(module):  # FSDP(FSDP(m)): the inner wrapper owns them
+        return original
 
     def visit(m: nn.Module, prefix: str) -> None:
         for name, b in m._buffers.items():

@@ -517,10 +517,12 @@ def load_full_state_dict(
         with root.summon_full_params(recurse=True):
             return _load_renamed(root, state_dict, strict)
     shown: list[Any] = []
+    visited: list[Any] = []
 
     def show(w: Any) -> Callable[..., None]:
         def pre_hook(*args: Any) -> None:
             w.training_state = TrainingState.SUMMON_FULL_PARAMS
+            visited.append(w)
             shown.append(w)
             w._show_full_params()
 
@@ -534,14 +536,25 @@ def load_full_state_dict(
 
     hooks = []
     for w in wrappers:
-        hooks.append(w._register_load_state_dict_pre_hook(show(w)))
-        hooks.append(w.register_load_state_dict_post_hook(hide))
+        first = w._register_load_state_dict_pre_hook(show(w))
+        w._load_state_dict_pre_hooks.move_to_end(first.id, last=False)  # before the user's own
+        hooks += [first, w.register_load_state_dict_post_hook(hide)]
     try:
         return _load_renamed(root, state_dict, strict)
+    except BaseException:
+        # User code raised part-way (on this rank only, perhaps): what was loaded is kept, as in
+        # torch, and the gathers the other ranks still make are paired before the error goes on.
+        for w in reversed(list(shown)):
+            hide(w)
+        for w in wrappers:
+            if not any(w is v for v in visited):
+                w._show_full_params()
+                w._hide_full_params(write_back=False)
+        raise
     finally:
         for hook in hooks:
             hook.remove()
-        for w in reversed(list(shown)):  # an error mid-way: what was loaded is kept, as in torch
+        for w in reversed(list(shown)):
             hide(w)
 
 

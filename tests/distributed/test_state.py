@@ -265,6 +265,53 @@ def test_state_dict_inside_summon_and_with_positional_arguments(pool: RankPool) 
         assert all(r.values()), r
 
 
+def _load_with_user_code() -> dict[str, object]:
+    rank = dist.get_rank()
+
+    failing = [rank == 1]
+
+    class Flaky(nn.Linear):  # extra state that only rank 1 fails to restore, once
+        def get_extra_state(self) -> int:
+            return 0
+
+        def set_extra_state(self, state: object) -> None:
+            if failing[0]:
+                raise ValueError("rank 1 cannot restore this")
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), Flaky(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    model = copy.deepcopy(ref)
+    model[2] = FSDP(model[2])
+    model = FSDP(model)
+    out: dict[str, object] = {}
+    try:
+        model.load_state_dict(ref.state_dict())  # rank 0 loads everything, rank 1 raises part-way
+        out["raised"] = ""
+    except ValueError as e:
+        out["raised"] = str(e)
+    out["sharded_after"] = all(
+        h.state is MemoryState.SHARDED for w in model.modules() if isinstance(w, FSDP) for h in w.handles
+    )
+    # a user pre-hook on a wrapper runs after the wrapper gathered: it reads real values
+    failing[0] = False
+    seen: list[float] = []
+    inner = model.module[2]
+    inner._register_load_state_dict_pre_hook(lambda *a: seen.append(float(inner.module[0].bias.sum())))
+    model.load_state_dict(ref.state_dict())
+    out["hook_saw"] = seen
+    out["expected"] = float(ref[2][0].bias.sum())
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_load_state_dict_with_user_code(pool: RankPool) -> None:
+    r0, r1 = pool.run(_load_with_user_code)
+    assert r0["raised"] == "" and "rank 1 cannot restore" in r1["raised"], "rank 0 was not left in a gather"
+    for r in (r0, r1):
+        assert r["sharded_after"]
+        assert len(r["hook_saw"]) == 1 and abs(r["hook_saw"][0] - r["expected"]) < 1e-6, r
+
+
 def _state_dict_options() -> dict[str, object]:
     rank = dist.get_rank()
     ref = build("nested", seed=1)

@@ -265,3 +265,35 @@ def test_options_are_checked_before_a_meta_module_is_materialized(
     with pytest.raises(error):
         FSDP(module, param_init_fn=initialized.append, **kwargs)
     assert initialized == [] and module.weight.is_meta, "nothing was materialized"
+
+
+def test_no_sync_sum_is_reduced_in_the_reduce_dtype(single_rank_group: None) -> None:
+    """fp16 compute, fp32 reduction: a sum beyond fp16's range (65504) survives the accumulation."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    model = FSDP(Scale(), mixed_precision=True, fp32_reduce_scatter=True)
+    x = torch.full((1,), 40000.0)
+    with model.no_sync():
+        for _ in range(2):
+            model(x).float().sum().backward()
+    model(x).float().sum().backward()
+    assert model.params[0].grad.tolist() == [120000.0]
+
+
+def test_fairscale_attributes_give_way_to_the_wrapped_modules(single_rank_group: None) -> None:
+    lstm = FSDP(nn.LSTM(2, 2))
+    lstm.flatten_parameters()  # nn.LSTM's method, called in many forwards, is still reached
+    assert FSDP(nn.Linear(2, 2)).flatten_parameters is True
+
+
+def test_a_wrapper_around_a_wrapper_leaves_the_buffers_to_the_inner_one(single_rank_group: None) -> None:
+    inner = FSDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    FSDP(inner, mixed_precision=True)  # the outer wrapper's buffer dtype is not the inner one's
+    assert inner.module[1].running_mean.dtype == torch.float32

@@ -30,3 +30,13 @@ def test_batch_norm_statistics_update_once_per_forward(single_rank_group: None, 
     for key, value in ref.state_dict().items():
         assert torch.allclose(ours[key], value, atol=1e-6), key
     assert int(ours["1.num_batches_tracked"]) == 3
+
+
+def test_a_checkpointed_module_compiles() -> None:
+    ref = _block()
+    block = checkpoint_wrapper(copy.deepcopy(ref))
+    compiled = torch.compile(block, backend="aot_eager")
+    x = torch.randn(8, 4)
+    assert torch.allclose(compiled(x), ref(x), atol=1e-6)
+    compiled(x).sum().backward()
+    assert int(block[1].num_batches_tracked) == 2, "two forwards, two updates: the recomputation adds none"
