@@ -4,19 +4,22 @@ fairscale stores its constructor arguments, resolved, as plain attributes (``mod
 ``model.gradient_postdivide_factor``, ...), and code written for it reads them. Here they are
 read-only properties over :class:`~fsdp.api.FSDPConfig`, mixed into the wrapper. Where the
 wrapped module has an attribute of the same name (``nn.LSTM.flatten_parameters``, a model's own
-``verbose``), that attribute wins, as it did when lookups fell through to the module.
+``verbose``), that attribute wins, as it did when lookups fell through to the module. Also
+fairscale's ``named_parameters()``: plain names inside ``summon_full_params`` and for parameters
+that are not flattened.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.api import FSDPConfig, ShardingStrategy
+from fsdp.api import FSDPConfig, ShardingStrategy, TrainingState
+from fsdp.consistency import plain_name
 
 __all__ = ["FairscaleAttributes"]
 
@@ -34,10 +37,26 @@ def _option(read: Callable[[Any], Any]) -> property:
     return property(get, doc=read.__doc__)
 
 
+def _field(name: str, path: str) -> property:
+    """:func:`_option` for a value stored as is in the config (``path`` below ``fsdp_config``)."""
+
+    def read(self: Any) -> Any:
+        value = self.fsdp_config
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
+
+    read.__name__ = name
+    read.__doc__ = f"``fsdp_config.{path}`` (fairscale's ``{name}``)."
+    return _option(read)
+
+
 class FairscaleAttributes:
     fsdp_config: FSDPConfig
     handles: list[Any]
+    training_state: TrainingState
     _reshard_after_forward: bool
+    _wrappers: Callable[[], list[Any]]
 
     @property
     def world_size(self) -> int:
@@ -52,10 +71,6 @@ class FairscaleAttributes:
     @property
     def process_group(self) -> dist.ProcessGroup:
         return self.fsdp_config.comm.process_group
-
-    @_option
-    def process_group_reduce_scatter(self) -> dist.ProcessGroup:
-        return self.fsdp_config.comm.process_group_reduce_scatter
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -74,6 +89,20 @@ class FairscaleAttributes:
         return self.fsdp_config.offload.grads_to_cpu
 
     cpu_offload = move_params_to_cpu  # fairscale's older name
+
+    # fairscale's resolved options, as stored
+    process_group_reduce_scatter = _field("process_group_reduce_scatter", "comm.process_group_reduce_scatter")
+    force_input_to_fp32 = _field("force_input_to_fp32", "precision.force_input_to_fp32")
+    clear_autocast_cache = _field("clear_autocast_cache", "precision.clear_autocast_cache")
+    flatten_parameters = _field("flatten_parameters", "sharding.flatten_parameters")
+    disable_reshard_on_root = _field("disable_reshard_on_root", "sharding.disable_reshard_on_root")
+    bucket_cap_mb = _field("bucket_cap_mb", "comm.bucket_cap_mb")
+    gradient_predivide_factor = _field("gradient_predivide_factor", "comm.gradient_predivide_factor")
+    gradient_postdivide_factor = _field("gradient_postdivide_factor", "comm.gradient_postdivide_factor")
+    state_dict_on_rank_0_only = _field("state_dict_on_rank_0_only", "state_dict.state_dict_on_rank_0_only")
+    no_broadcast_optim_state = _field("no_broadcast_optim_state", "no_broadcast_optim_state")
+    allow_reset_parameters = _field("allow_reset_parameters", "allow_reset_parameters")
+    verbose = _field("verbose", "verbose")
 
     @_option
     def mixed_precision(self) -> bool:
@@ -98,37 +127,9 @@ class FairscaleAttributes:
         return precision.mixed and precision.reduce_dtype == torch.float32
 
     @_option
-    def force_input_to_fp32(self) -> bool:
-        return self.fsdp_config.precision.force_input_to_fp32
-
-    @_option
-    def clear_autocast_cache(self) -> bool:
-        return self.fsdp_config.precision.clear_autocast_cache
-
-    @_option
-    def flatten_parameters(self) -> bool:
-        return self.fsdp_config.sharding.flatten_parameters
-
-    @_option
     def reshard_after_forward(self) -> bool:
         """Whether full parameters are freed after forward (the root's decision once it is known)."""
         return self._reshard_after_forward
-
-    @_option
-    def disable_reshard_on_root(self) -> bool:
-        return self.fsdp_config.sharding.disable_reshard_on_root
-
-    @_option
-    def bucket_cap_mb(self) -> float:
-        return self.fsdp_config.comm.bucket_cap_mb
-
-    @_option
-    def gradient_predivide_factor(self) -> float:
-        return self.fsdp_config.comm.gradient_predivide_factor
-
-    @_option
-    def gradient_postdivide_factor(self) -> float:
-        return self.fsdp_config.comm.gradient_postdivide_factor
 
     @_option
     def state_dict_device(self) -> torch.device:
@@ -141,22 +142,6 @@ class FairscaleAttributes:
         if given is not None:
             return given
         return torch.device("cpu") if self.move_params_to_cpu else self.compute_device
-
-    @_option
-    def state_dict_on_rank_0_only(self) -> bool:
-        return self.fsdp_config.state_dict.state_dict_on_rank_0_only
-
-    @_option
-    def no_broadcast_optim_state(self) -> bool:
-        return self.fsdp_config.no_broadcast_optim_state
-
-    @_option
-    def allow_reset_parameters(self) -> bool:
-        return self.fsdp_config.allow_reset_parameters
-
-    @_option
-    def verbose(self) -> bool:
-        return self.fsdp_config.verbose
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -178,3 +163,26 @@ class FairscaleAttributes:
         """``[p for p in self.parameters() if p.grad is not None]``"""
         assert isinstance(self, nn.Module)
         return [p for p in self.parameters() if p.grad is not None]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters`` with fairscale's names: inside ``summon_full_params`` the
+        original parameters under the plain module's names (no ``_fsdp_wrapped_module``); with
+        ``flatten_parameters=False`` each parameter's shard under its original name."""
+        plain = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        unflat = {
+            id(h.flat_param): h.meta.fqns[0]
+            for w in (self._wrappers() if recurse else [self])
+            if not w.fsdp_config.sharding.flatten_parameters
+            for h in w.handles
+        }
+        module: Any = self
+        for name, p in nn.Module.named_parameters(module, prefix, recurse, remove_duplicate):
+            if plain:
+                yield plain_name(name), p
+            elif id(p) in unflat:
+                path = plain_name(name.rpartition(".")[0])
+                yield (f"{path}." if path else "") + unflat[id(p)], p
+            else:
+                yield name, p

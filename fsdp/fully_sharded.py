@@ -54,7 +54,6 @@ from fsdp.consistency import (
     WRAPPED,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
-    plain_name,
     wrapper_path,
 )
 from fsdp.flat_param import collect_owned, group_params, own_parameters
@@ -571,28 +570,6 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                 w.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------ full parameters
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters`` with fairscale's names: inside ``summon_full_params`` the
-        original parameters under the plain module's names (no ``_fsdp_wrapped_module``); with
-        ``flatten_parameters=False`` each parameter's shard under its original name."""
-        plain = self.training_state is TrainingState.SUMMON_FULL_PARAMS
-        unflat = {
-            id(h.flat_param): h.meta.fqns[0]
-            for w in (self._wrappers() if recurse else [self])
-            if not w.fsdp_config.sharding.flatten_parameters
-            for h in w.handles
-        }
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            if plain:
-                yield plain_name(name), p
-            elif id(p) in unflat:
-                path = plain_name(name.rpartition(".")[0])
-                yield (f"{path}." if path else "") + unflat[id(p)], p
-            else:
-                yield name, p
-
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator[None, None, None]:
         """Gather the full parameters and show them under their original names and shapes.
