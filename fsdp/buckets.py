@@ -260,6 +260,8 @@ class GradBucketer:
     _stats: CommStats | None
     _triggers: frozenset[int] | None  # indices that close a bucket while learning
     _delay: bool  # launch every bucket at finish_backward (delay_allreduce)
+    _checked: bool  # delay mode: the ranks' trainable tensors were compared
+    _seen: set[int]  # indices in _ready_order
     _buckets: list[_Bucket]
     _where: list[tuple[int, int]]  # tensor index -> (bucket, slot)
     _ready_order: list[int]  # this backward's gradient-ready order (kept while learning)
@@ -293,9 +295,11 @@ class GradBucketer:
         self._stats = stats
         self._triggers = frozenset(triggers) if triggers is not None else None
         self._delay = delay
+        self._checked = False  # delay mode: the ranks' trainable tensors were compared
         self._buckets = []
         self._where = []
         self._ready_order = []
+        self._seen = set()
         self._next = 0
         self._active = False
         self.layout = None
@@ -332,6 +336,7 @@ class GradBucketer:
         self._active = True
         self._next = 0
         self._ready_order = []
+        self._seen = set()
         for b in self._buckets:
             b.reset()
 
@@ -339,12 +344,16 @@ class GradBucketer:
         """Tensor ``index``'s gradient is final for this backward; launch what became launchable."""
         if not self._active:
             raise AssertionError("grad_ready outside begin_backward/finish_backward")
-        if self.layout is None:  # learning: only record the order
-            self._ready_order.append(index)
+        if self.layout is None:  # learning: only record the order (a repeat adds to .grad only)
+            if index not in self._seen:
+                self._seen.add(index)
+                self._ready_order.append(index)
             return
         b, slot = self._where[index]
         bucket = self._buckets[b]
         if bucket.filled[slot]:
+            if self._delay:  # nothing is launched before the end: the repeat just adds to .grad
+                return
             raise RuntimeError(
                 f"parameter {self.names[index]} received a second gradient in one backward after its "
                 "bucket was filled (reentrant activation checkpointing runs a backward inside the "
@@ -370,6 +379,9 @@ class GradBucketer:
                     if not self._buckets[b].filled[slot]:
                         self._buckets[b].filled[slot] = True
                         self._buckets[b].num_filled += 1
+            if self._delay and not self._checked:  # the layout was not learned, so not compared yet
+                self._check_same_tensors()
+                self._checked = True
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
@@ -471,7 +483,7 @@ class GradBucketer:
                 torch._foreach_copy_(dst, src)
             flat[-1].fill_(0.0 if bucket.complete else 1.0)  # See [Note: missing-gradient flag]
             comm = flat
-            if cfg.allreduce_always_fp32 and flat.dtype != torch.float32:
+            if cfg.allreduce_always_fp32 and flat.dtype in (torch.float16, torch.bfloat16):
                 comm = flat.float()
             if cfg.gradient_predivide_factor != 1.0:
                 comm.div_(cfg.gradient_predivide_factor)

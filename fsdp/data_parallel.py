@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ from fsdp import collectives
 from fsdp._device import DeviceHandle, default_compute_device
 from fsdp.buckets import BucketConfig, BucketLayout, GradBucketer, MissingGradientError
 from fsdp.collectives import CommStats
+from fsdp.nest import visit_tensors
 
 __all__ = ["DistributedDataParallel", "MissingGradientError"]
 
@@ -42,8 +45,20 @@ class _BackwardState:
     """Per-backward state, a plain object so that the hot hook path avoids ``nn.Module.__setattr__``."""
 
     phase: _Phase = _Phase.IDLE
-    skip_from_forward: bool = False  # need_reduction was False at the last forward
+    forwards: int = 0  # grad-enabled forwards through the wrapper since the last backward
+    reduce_from_forward: bool = False  # one of them ran with need_reduction=True
     unexpected: list[str] | None = None  # parameters that got a gradient but were not trainable at forward
+
+
+_OWNER = "_fsdp_ddp_owner"  # on a parameter: a weak reference to the wrapper whose hooks reduce it
+
+
+def _grad_ready(owner: weakref.ref[DistributedDataParallel], param: torch.Tensor) -> None:
+    """A parameter's hook. It holds its wrapper weakly and acts only while that wrapper is the
+    parameter's owner: a wrapper that was dropped, or replaced by a newer one, reduces nothing."""
+    wrapper = owner()
+    if wrapper is not None and getattr(param, _OWNER, None) is owner:
+        wrapper._on_grad_ready(param)
 
 
 # The key of a trainable set: the positions (in module.parameters()) and dtypes of the trainable ones.
@@ -87,7 +102,7 @@ class DistributedDataParallel(nn.Module):
 
     module: nn.Module
     process_group: dist.ProcessGroup
-    need_reduction: bool  # False: backwards keep their gradients local (apex's switch)
+    need_reduction: bool  # False: backwards keep their gradients local (no_sync(), disable_allreduce())
     comm_stats: CommStats  # every collective this wrapper launched (calls, elements, bytes, dtypes)
     bucket_config: BucketConfig
     delay_allreduce: bool
@@ -102,7 +117,8 @@ class DistributedDataParallel(nn.Module):
     _index: dict[int, int]  # id(param) -> index in _trainable
     _layouts: dict[_TrainableKey, BucketLayout]  # learned layouts of every trainable set seen
     _layout_key: _TrainableKey  # the key of the current trainable set
-    _hooks: dict[int, RemovableHandle]  # id(param) -> its post-accumulate-grad hook
+    _hooks: list[RemovableHandle]  # post-accumulate-grad hooks on the module's parameters
+    _ref: weakref.ref[DistributedDataParallel]  # what a parameter's _OWNER holds
     _state: _BackwardState
 
     def __init__(
@@ -137,6 +153,11 @@ class DistributedDataParallel(nn.Module):
             )
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None
+        if dist.get_rank(group) < 0:
+            raise ValueError(
+                "DistributedDataParallel: this rank is not a member of process_group; create the wrapper only "
+                "on the group's ranks, or pass a group this rank belongs to"
+            )
         self.bucket_config = BucketConfig(
             message_size=message_size,
             retain_allreduce_buffers=retain_allreduce_buffers,
@@ -183,7 +204,8 @@ class DistributedDataParallel(nn.Module):
         self._trainable_dtypes = []
         self._index = {}
         self._layouts = {}
-        self._hooks = {}
+        self._hooks = []
+        self._ref = weakref.ref(self)
         self._state = _BackwardState()
         self._refresh_trainable(force=True)
 
@@ -200,13 +222,32 @@ class DistributedDataParallel(nn.Module):
             if self._state.phase is _Phase.REDUCING:
                 self._bucketer.abort()
             self._state = _BackwardState()
+        first = next(iter(self._trainable), None)
+        if first is not None and getattr(first, _OWNER, None) is not self._ref:
+            raise RuntimeError(
+                "DistributedDataParallel: a newer DistributedDataParallel wraps this module and reduces its "
+                "gradients; use that one (this wrapper's hooks are inactive)"
+            )
         result = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             # After the module's forward, like apex: a forward that freezes or unfreezes parameters
             # is seen before the backward it feeds.
             self._refresh_trainable()
-            self._state.skip_from_forward = not self.need_reduction
+            state = self._state
+            state.forwards += 1
+            state.reduce_from_forward = state.reduce_from_forward or self.need_reduction
+            visit_tensors(result, self._hook_output, [])
         return result
+
+    def _hook_output(self, t: torch.Tensor) -> None:
+        if t.requires_grad:
+            t.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
+
+    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The backward reached an output of this wrapper: start it here, in the outer backward."""
+        if self._state.phase is _Phase.IDLE:
+            self._begin()
+        return grad
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -331,9 +372,12 @@ class DistributedDataParallel(nn.Module):
         names = {id(p): n for n, p in self.module.named_parameters()}
         position = {id(p): i for i, p in enumerate(self.module.parameters())}
         for p in current:
-            if id(p) not in self._hooks:
-                hook = p.register_post_accumulate_grad_hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
-                self._hooks[id(p)] = hook
+            if getattr(p, _OWNER, None) is not self._ref:  # a parameter this wrapper has not hooked yet
+                hook = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_grad_ready, self._ref)
+                )
+                setattr(p, _OWNER, self._ref)
+                self._hooks.append(hook)
         key: _TrainableKey = tuple((position[id(p)], p.dtype) for p in current)
         triggers = None
         if self._trigger_ids is not None:
@@ -357,16 +401,34 @@ class DistributedDataParallel(nn.Module):
         self._layout_key = key
 
     # ---- hooks -------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """The first hook of a backward: decide whether it reduces, and queue its end.
+
+        The first hook is normally an output's, which runs in the backward the user started; a
+        parameter's hook can run inside a nested one (reentrant checkpointing), whose end comes first.
+        A backward reduces when a forward through the wrapper since the last backward ran with
+        ``need_reduction`` and it is still set now (torch's rule: a gradient computed by calling the
+        wrapped module directly stays local).
+        """
+        state = self._state
+        reduce = self.need_reduction and state.reduce_from_forward and state.forwards > 0
+        state.phase = _Phase.REDUCING if reduce else _Phase.LOCAL
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+        if reduce:
+            self._bucketer.begin_backward()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: ``param.grad`` is final for this backward."""
         state = self._state
-        if state.phase is _Phase.IDLE:
-            reduce = self.need_reduction and not state.skip_from_forward
-            state.phase = _Phase.REDUCING if reduce else _Phase.LOCAL
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
-            if reduce:
-                self._bucketer.begin_backward()
+        if state.phase is _Phase.IDLE:  # no output of the wrapper was reached first
+            self._begin()
         if state.phase is _Phase.REDUCING:
+            if param.grad is not None and param.grad.is_sparse:
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {self._name_of(param)} has a sparse gradient, which "
+                    "the dense buckets cannot reduce; build the module with dense gradients (e.g. "
+                    "nn.Embedding(..., sparse=False))"
+                )
             index = self._index.get(id(param))
             if index is None:
                 state.unexpected = [*(state.unexpected or []), self._name_of(param)]
@@ -377,7 +439,7 @@ class DistributedDataParallel(nn.Module):
         """Queued by the first hook of a backward; runs once the whole backward is done."""
         state = self._state
         phase, unexpected = state.phase, state.unexpected
-        state.phase, state.unexpected, state.skip_from_forward = _Phase.IDLE, None, False
+        self._state = _BackwardState()
         if phase is not _Phase.REDUCING:
             return
         self._bucketer.finish_backward()

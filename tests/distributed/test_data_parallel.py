@@ -521,6 +521,104 @@ def test_no_sync_and_need_reduction_accumulate_locally(pool: RankPool) -> None:
 # ---- construction ------------------------------------------------------------------------------------
 
 
+def _torch_semantics() -> dict[str, Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+
+    def seq() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+    # reentrant checkpointing around the last layer: its gradients arrive in a nested backward
+    class Ckpt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = seq()
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            h = self.net[1](self.net[0](t))
+            return checkpoint(self.net[2], h, use_reentrant=True)
+
+    ours, theirs = DDP(Ckpt()), TorchDDP(Ckpt())
+    for m in (ours, theirs):
+        for _ in range(2):
+            m(x).pow(2).sum().backward()
+    out["reentrant_equal"] = all(
+        torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+    )
+
+    # a backward through the wrapped module itself, bypassing the wrapper, stays local (torch's rule)
+    model, local = DDP(seq()), seq()
+    model.module(x).pow(2).sum().backward()
+    local(x).pow(2).sum().backward()
+    out["direct_is_local"] = all(
+        torch.equal(a.grad, b.grad)
+        for a, b in zip(model.module.parameters(), local.parameters(), strict=True)
+    )
+
+    # a forward outside no_sync, then one inside: the backward of the first loss still reduces
+    model, reference = DDP(seq()), TorchDDP(seq())
+    for m in (model, reference):
+        loss = m(x).pow(2).sum()
+        with m.no_sync():
+            m(x)
+        loss.backward()
+    out["forward_outside_wins"] = all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+    # a newer wrapper of the same module takes over: the old one reduces nothing and refuses forward
+    module = seq()
+    old = DDP(module)
+    new = DDP(module)
+    new(x).pow(2).sum().backward()
+    out["reduced_once"] = new.comm_stats.as_dict()["all_reduce"]["calls"] >= 1 and (
+        old.comm_stats.as_dict()["all_reduce"]["calls"] == 0
+    )
+    try:
+        old(x)
+        out["old_refused"] = ""
+    except RuntimeError as e:
+        out["old_refused"] = str(e)
+
+    # delay_allreduce: ranks that train different parameters of equal size fail on every rank
+    net = seq()
+    (net[0].bias if rank == 0 else net[2].bias).requires_grad_(False)
+    try:
+        DDP(net, delay_allreduce=True)(x).pow(2).sum().backward()
+        out["delay_sets"] = ""
+    except RuntimeError as e:
+        out["delay_sets"] = str(e)
+
+    # fp64 gradients stay fp64 under allreduce_always_fp32 (it widens fp16/bf16 only)
+    wide = DDP(seq().double(), allreduce_always_fp32=True)
+    wide(x.double()).pow(2).sum().backward()
+    out["fp64_dtypes"] = sorted(str(d) for d in wide.comm_stats.as_dict()["all_reduce"]["dtypes"])
+
+    # sparse gradients are refused with the fix
+    emb = DDP(nn.Embedding(5, 2, sparse=True))
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+        out["sparse"] = ""
+    except RuntimeError as e:
+        out["sparse"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_torch_ddp_semantics(pool: RankPool) -> None:
+    for r in pool.run(_torch_semantics):
+        assert r["reentrant_equal"] and r["direct_is_local"] and r["forward_outside_wins"], r
+        assert r["reduced_once"] and "a newer DistributedDataParallel wraps this module" in r["old_refused"]
+        assert "reduce other parameters than rank 0" in r["delay_sets"]
+        assert r["fp64_dtypes"] == ["torch.float64"], r["fp64_dtypes"]
+        assert "sparse gradient" in r["sparse"] and "sparse=False" in r["sparse"]
+
+
 def _construction() -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different weights on every rank
