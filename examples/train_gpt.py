@@ -314,10 +314,11 @@ def main() -> None:
     # marker is written, last, so a run killed mid-save resumes from the checkpoint before.
     ckpt_dir = out_dir / "checkpoints"
     start_iter, resumed = 0, None
-    if args.resume and latest_checkpoint(ckpt_dir) is not None:
-        latest = latest_checkpoint(ckpt_dir)
-        assert latest is not None
-        resumed = load_checkpoint(latest, model, optimizer)  # collective: every rank loads its shards
+    # rank 0 picks the checkpoint, so that every rank loads the same one
+    latest = [latest_checkpoint(ckpt_dir) if rank == 0 and args.resume else None]
+    dist.broadcast_object_list(latest, src=0)
+    if latest[0] is not None:
+        resumed = load_checkpoint(latest[0], model, optimizer)  # collective: every rank loads its shards
         start_iter = resumed["iter"]
         if resumed["scaler"]:
             scaler.load_state_dict(resumed["scaler"])

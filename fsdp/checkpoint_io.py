@@ -23,6 +23,7 @@ the unwrapped model's state-dict keys and tied names), ``extra.pt`` (the ``extra
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -74,6 +75,12 @@ VERSION = 1
 _MODEL, _OPTIM = "model", "optim"
 
 
+_SAME_PATH = (
+    "the ranks passed different checkpoint directories, or read different checkpoints; pass every rank "
+    "the same path (for a resume: rank 0's latest_checkpoint(), sent with dist.broadcast_object_list)"
+)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank with the same message."""
 
@@ -81,6 +88,11 @@ class CheckpointError(RuntimeError):
 def _describe(model: FullyShardedDataParallel) -> Layout:
     if not isinstance(model, FullyShardedDataParallel):
         raise TypeError(f"expected the root FullyShardedDataParallel wrapper, got {type(model).__name__}")
+    if model.is_root is False:
+        raise ValueError(
+            "checkpoints are saved and loaded through the root FullyShardedDataParallel wrapper, not an inner "
+            "one (it would cover only its own subtree); pass the outermost wrapper"
+        )
     layout: Layout = model._state_layout()
     return layout
 
@@ -168,8 +180,46 @@ def _write_atomically(path: Path, text: str) -> None:
         os.close(fd)
 
 
+def _write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _serialize_extra(extra: Any) -> bytes:
+    """``extra`` as ``torch.save`` writes it, after checking that ``torch.load(weights_only=True)``
+    (what :func:`load_checkpoint` uses) reads it back; else a checkpoint would commit that never loads."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(extra, buffer)
+    except Exception as e:
+        raise CheckpointError(f"extra cannot be saved: {_error(e)}") from None
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
+    except Exception as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "WeightsUnpickler" in line), lines[0] if lines else "")
+        raise CheckpointError(
+            f"extra holds something torch.load(weights_only=True) cannot read back ({type(e).__name__}: "
+            f"{detail}); keep to numbers, strings, tensors and lists / tuples / dicts of them (e.g. numpy's "
+            "RNG state as a list, torch.get_rng_state() as a tensor)"
+        ) from None
+    return buffer.getvalue()
+
+
 def _looks_like_failed_save(root: Path) -> bool:
-    ours = {".metadata", MANIFEST, EXTRA, MANIFEST + ".tmp", COMMIT_MARKER + ".tmp"}
+    ours = {
+        ".metadata",
+        ".metadata.tmp",
+        MANIFEST,
+        EXTRA,
+        EXTRA + ".tmp",
+        MANIFEST + ".tmp",
+        COMMIT_MARKER + ".tmp",
+    }
     return all(p.is_file() and (p.name in ours or p.suffix == ".distcp") for p in root.iterdir())
 
 
@@ -216,12 +266,16 @@ def save_checkpoint(
     layout = _describe(model)
     what = f"save_checkpoint({str(root)!r})"
     error = None
+    blob = None
     if layout.rank == 0:
         try:
             _prepare_directory(root)
-        except (CheckpointError, OSError) as e:
+            if extra is not None:
+                blob = _serialize_extra(extra)
+        except Exception as e:
             error = str(e) if isinstance(e, CheckpointError) else _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)
+    # every rank must name the same directory (a per-rank name would commit rank 0's files only)
+    agree(layout, error, what, str(root.resolve()), CheckpointError, _SAME_PATH)
 
     error = None
     try:
@@ -237,8 +291,8 @@ def save_checkpoint(
     error = None
     if layout.rank == 0:
         try:
-            if extra is not None:
-                torch.save(extra, root / EXTRA)
+            if blob is not None:
+                _write_bytes(root / EXTRA, blob)
             manifest = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -247,6 +301,7 @@ def save_checkpoint(
                 "model_keys": list(layout.keys),
                 "aliases": {alias: s.name for s in layout.params for alias in s.aliases},
                 "has_optimizer": optimizer is not None,
+                "optimizer": type(optimizer).__qualname__ if optimizer is not None else None,
                 "has_extra": extra is not None,
                 "wrap_plan": layout.fingerprint(),
             }
@@ -301,15 +356,23 @@ def load_checkpoint(
             k: v for k, v in sharded_state_dict_template(layout).items() if f"{_MODEL}.{k}" in storage
         }
         if optimizer is not None:
+            saved_type = manifest.get("optimizer")
             if not manifest.get("has_optimizer"):
                 problems.append("the checkpoint holds no optimizer state (it was saved without an optimizer)")
+            elif saved_type is not None and saved_type != type(optimizer).__qualname__:
+                problems.append(
+                    f"the checkpoint holds the state of a {saved_type} optimizer, and a "
+                    f"{type(optimizer).__qualname__} was passed; build the same optimizer class as at the save"
+                )
             else:
                 state[_OPTIM], more = sharded_optim_state_dict_template(layout, storage, f"{_OPTIM}.")
                 problems += more
         error = "\n  ".join(problems) or None
     except Exception as e:
         error = str(e) if isinstance(e, CheckpointError) else _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)
+    # every rank must read the same checkpoint (the same directory, saved at the same time)
+    which = f"{root.resolve()}@{manifest.get('saved_at_ns', 0)}"
+    agree(layout, error, what, which, CheckpointError, _SAME_PATH)
 
     extra = None
     error = None

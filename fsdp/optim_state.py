@@ -415,10 +415,20 @@ def sharded_optim_state_dict_template(
         state.setdefault(slot.name, {})[name] = value
     groups: dict[int, dict[str, Any]] = {}
     head = prefix + "param_groups."
-    for key in storage:
+    for key, md in storage.items():
         if key.startswith(head):
             index, _, name = key[len(head) :].partition(".")
-            groups.setdefault(int(index), {})[name] = None  # saved as objects: DCP replaces the placeholders
+            # DCP stores a tensor hyperparameter as a tensor and flattens a nested dict into dotted
+            # names: the placeholders rebuild that shape (None for objects), DCP fills them in
+            group = groups.setdefault(int(index), {})
+            *parents, leaf = name.split(".")
+            for part in parents:
+                group = group.setdefault(part, {})
+            group[leaf] = (
+                torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                if isinstance(md, TensorStorageMetadata)
+                else None
+            )
     if sorted(groups) != list(range(len(groups))) or not groups:
         problems.append("the checkpoint's optimizer param_groups are missing or incomplete")
     return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}, problems

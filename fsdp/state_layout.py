@@ -233,6 +233,10 @@ def agree(
     what: str,
     digest: str = "",
     exc_type: type[Exception] = RuntimeError,
+    mismatch: str = (
+        "ranks passed differently structured state (every rank must pass the same keys, with values of "
+        "the same kinds); nothing was loaded"
+    ),
 ) -> None:
     """Raise the same error on every rank if any rank failed, or if the ranks' ``digest`` differ.
 
@@ -255,10 +259,7 @@ def agree(
         lines = [f"rank(s) {ranks}: {e}" for e, ranks in distinct.items()]
         raise exc_type(f"{what} failed on rank(s) {[r for r, _ in failed]}:\n  " + "\n  ".join(lines))
     if len({d for _, d in flags}) > 1:
-        raise exc_type(
-            f"{what}: ranks passed differently structured state (every rank must pass the same keys, with "
-            "values of the same kinds); nothing was loaded"
-        )
+        raise exc_type(f"{what}: {mismatch}")
 
 
 def digest_of(obj: Any) -> str:

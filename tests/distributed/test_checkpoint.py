@@ -3,6 +3,7 @@ offline, and turns every kind of broken checkpoint into the same clear error on 
 
 from __future__ import annotations
 
+import fractions
 import shutil
 import subprocess
 import sys
@@ -349,6 +350,66 @@ def test_broken_checkpoints_fail_on_every_rank(pool: RankPool, tmp_path: Path) -
         assert "has no commit marker" in m["load_failed_save"]
         assert r["unchanged"], "a failed load must leave parameters, buffers and optimizer state untouched"
         assert "failed" not in r["committed"] and Path(r["latest"]).name in r["committed"]
+
+
+def _mismatched_use(tmp: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    root = Path(tmp)
+    _, model = make(CASE, seed=6)
+    opt = _adam(model.parameters())
+    train(model, opt, CASE, range(1))
+    messages: dict[str, str] = {}
+    # a directory named per rank: every rank refuses, nothing is committed
+    messages["save_paths"] = expect_error(CheckpointError, save_checkpoint, root / f"step_{rank}", model, opt)
+    a = save_checkpoint(root / "a", model, opt)
+    b = save_checkpoint(root / "b", model, opt)
+    before = flat_snapshot(model, opt)
+    messages["load_paths"] = expect_error(CheckpointError, load_checkpoint, a if rank == 0 else b, model, opt)
+    unchanged = same(before, flat_snapshot(model, opt))
+
+    class Local:  # cannot even be pickled
+        pass
+
+    messages["extra"] = expect_error(
+        CheckpointError, save_checkpoint, root / "extra", model, opt, {"x": fractions.Fraction(1, 3)}
+    )
+    messages["extra_local"] = expect_error(
+        CheckpointError, save_checkpoint, root / "extra", model, opt, Local()
+    )
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    messages["optimizer_class"] = expect_error(CheckpointError, load_checkpoint, a, model, sgd)
+    # tensor and nested hyperparameters come back as they were
+    tensor_lr = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.02))
+    tensor_lr.param_groups[0]["meta"] = {"tag": "x", "k": 2}
+    train(model, tensor_lr, CASE, range(1))
+    save_checkpoint(root / "hyper", model, tensor_lr)
+    fresh = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.5))
+    fresh.param_groups[0]["meta"] = {}
+    load_checkpoint(root / "hyper", model, fresh)
+    group = fresh.param_groups[0]
+    # an inner wrapper is refused
+    messages["inner"] = expect_error(ValueError, save_checkpoint, root / "inner", model.module.body, None)
+    return {
+        "messages": messages,
+        "unchanged": unchanged,
+        "lr": (type(group["lr"]).__name__, float(group["lr"])),
+        "meta": group["meta"],
+        "committed": sorted(p.name for p in root.iterdir() if (p / COMMIT_MARKER).exists()),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_checkpoints_used_inconsistently_fail_on_every_rank(pool: RankPool, tmp_path: Path) -> None:
+    for r in pool.run(_mismatched_use, str(tmp_path), timeout=120):
+        m = r["messages"]
+        assert "different checkpoint directories" in m["save_paths"]
+        assert "different checkpoint directories" in m["load_paths"] and r["unchanged"]
+        assert "weights_only" in m["extra"] and "Fraction" in m["extra"]
+        assert "extra cannot be saved" in m["extra_local"]
+        assert "Adam optimizer" in m["optimizer_class"] and "SGD" in m["optimizer_class"]
+        assert r["lr"] == ("Tensor", pytest.approx(0.02)) and r["meta"] == {"tag": "x", "k": 2}
+        assert "not an inner one" in m["inner"]
+        assert r["committed"] == ["a", "b", "hyper"], r["committed"]
 
 
 # ---------------------------------------------------------------------- local state dict misuse
