@@ -148,22 +148,28 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The most recently committed checkpoint directory directly under ``root``, or None."""
-    best: tuple[int, Path] | None = None
+    """The most recently committed checkpoint directory directly under ``root`` that passes
+    :func:`read_checkpoint_info` (complete, files of their recorded sizes), or None."""
     base = Path(root)
     if not base.is_dir():
         return None
+    found: list[tuple[int, str, Path]] = []
     for child in base.iterdir():
         marker = child / COMMIT_MARKER
         if not marker.is_file():
             continue
         try:
-            saved = int(json.loads(marker.read_text()).get("saved_at_ns", 0))
+            found.append((int(json.loads(marker.read_text()).get("saved_at_ns", 0)), child.name, child))
         except (OSError, ValueError):
             continue
-        if best is None or saved > best[0]:
-            best = (saved, child)
-    return best[1] if best is not None else None
+    for _, _, path in sorted(found, reverse=True):
+        try:
+            read_checkpoint_info(path)
+        except CheckpointError as e:
+            log.warning("latest_checkpoint: skipping %s: %s", path, e)
+            continue
+        return path
+    return None
 
 
 def _write_atomically(path: Path, text: str) -> None:

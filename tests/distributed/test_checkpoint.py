@@ -4,6 +4,7 @@ offline, and turns every kind of broken checkpoint into the same clear error on 
 from __future__ import annotations
 
 import fractions
+import json
 import shutil
 import subprocess
 import sys
@@ -282,6 +283,10 @@ def _broken(tmp: str) -> dict[str, Any]:
         shutil.copytree(good, root / "truncated")
         shard = next((root / "truncated").glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        marker = root / "truncated" / COMMIT_MARKER  # the newest, but damaged: latest_checkpoint skips it
+        info = json.loads(marker.read_text())
+        info["saved_at_ns"] += 1
+        marker.write_text(json.dumps(info))
     dist.barrier()
     before = flat_snapshot(model, opt)
     messages: dict[str, str] = {}
@@ -349,7 +354,7 @@ def test_broken_checkpoints_fail_on_every_rank(pool: RankPool, tmp_path: Path) -
         assert "disk full (simulated)" in m["failed_save"]
         assert "has no commit marker" in m["load_failed_save"]
         assert r["unchanged"], "a failed load must leave parameters, buffers and optimizer state untouched"
-        assert "failed" not in r["committed"] and Path(r["latest"]).name in r["committed"]
+        assert "failed" not in r["committed"] and Path(r["latest"]).name == "good"
 
 
 def _mismatched_use(tmp: str) -> dict[str, Any]:
