@@ -172,10 +172,11 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, data: str | bytes) -> None:
+    """Write a temporary file, fsync it, rename it over ``path`` and fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -184,15 +185,6 @@ def _write_atomically(path: Path, text: str) -> None:
         os.fsync(fd)  # make the rename itself durable
     finally:
         os.close(fd)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _serialize_extra(extra: Any) -> bytes:
@@ -298,7 +290,7 @@ def save_checkpoint(
     if layout.rank == 0:
         try:
             if blob is not None:
-                _write_bytes(root / EXTRA, blob)
+                _write_atomically(root / EXTRA, blob)
             manifest = {
                 "format": FORMAT,
                 "version": VERSION,
