@@ -814,6 +814,7 @@ def main() -> None:
             + ("" if args.no_plot else f", {out / 'peers.png'}")
         )
         print(f"wall time {result['wall_s']:.0f} s")
+    dist.barrier()  # every rank done with its groups before any tears them down
     dist.destroy_process_group()
 
 

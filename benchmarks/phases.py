@@ -119,6 +119,7 @@ def main() -> None:
     dist.all_gather_object(gathered, records)
     if rank == 0:
         report(args, names, gathered)
+    dist.barrier()  # every rank done with its groups before any tears them down
     dist.destroy_process_group()
 
 

@@ -88,13 +88,17 @@ class CheckpointError(RuntimeError):
 def _describe(model: FullyShardedDataParallel) -> Layout:
     if not isinstance(model, FullyShardedDataParallel):
         raise TypeError(f"expected the root FullyShardedDataParallel wrapper, got {type(model).__name__}")
-    if model.is_root is False:
+    if model.is_root is False or model._inside_another:
         raise ValueError(
             "checkpoints are saved and loaded through the root FullyShardedDataParallel wrapper, not an inner "
             "one (it would cover only its own subtree); pass the outermost wrapper"
         )
     layout: Layout = model._state_layout()
     return layout
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _error(e: BaseException) -> str:
@@ -160,12 +164,12 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
             continue
         try:
             found.append((int(json.loads(marker.read_text()).get("saved_at_ns", 0)), child.name, child))
-        except (OSError, ValueError):
+        except Exception:  # unreadable, or not the marker's format
             continue
     for _, _, path in sorted(found, reverse=True):
         try:
             read_checkpoint_info(path)
-        except CheckpointError as e:
+        except Exception as e:
             log.warning("latest_checkpoint: skipping %s: %s", path, e)
             continue
         return path
@@ -299,7 +303,7 @@ def save_checkpoint(
                 "model_keys": list(layout.keys),
                 "aliases": {alias: s.name for s in layout.params for alias in s.aliases},
                 "has_optimizer": optimizer is not None,
-                "optimizer": type(optimizer).__qualname__ if optimizer is not None else None,
+                "optimizer": _class_name(optimizer) if optimizer is not None else None,
                 "has_extra": extra is not None,
                 "wrap_plan": layout.fingerprint(),
             }
@@ -357,10 +361,10 @@ def load_checkpoint(
             saved_type = manifest.get("optimizer")
             if not manifest.get("has_optimizer"):
                 problems.append("the checkpoint holds no optimizer state (it was saved without an optimizer)")
-            elif saved_type is not None and saved_type != type(optimizer).__qualname__:
+            elif saved_type is not None and saved_type != _class_name(optimizer):
                 problems.append(
-                    f"the checkpoint holds the state of a {saved_type} optimizer, and a "
-                    f"{type(optimizer).__qualname__} was passed; build the same optimizer class as at the save"
+                    f"the checkpoint holds optimizer state saved from {saved_type}, and the optimizer passed is "
+                    f"{_class_name(optimizer)}; build the same optimizer class as at the save"
                 )
             else:
                 state[_OPTIM], more = sharded_optim_state_dict_template(layout, storage, f"{_OPTIM}.")

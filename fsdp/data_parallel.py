@@ -4,6 +4,19 @@
 gradients with all-reduces. It takes the arguments of apex's ``apex.parallel.DistributedDataParallel``,
 plus ``process_group``. The bucket engine is :mod:`fsdp.buckets`; this
 module owns the hooks, the forward, the trainable-set check and the no-sync switch.
+
+[Note: which backward reduces]
+Each grad-enabled forward gets a number (a token), remembered with the value ``need_reduction``
+had then, and hooks on its non-leaf outputs. A backward that reaches one of those outputs records
+the token, and queues its end-of-backward callback there, in the backward the user started: a
+parameter's hook may run inside a nested backward (reentrant checkpointing), which ends first. At
+the first parameter hook the backward decides: it reduces when ``need_reduction`` is set now and
+one of the forwards it reached (or, if it reached no output, any forward still waiting) ran with it
+set. Its end forgets the forwards it reached, so a second backward through them stays local, as
+does a backward of the module called directly; ``l1 = m(x1); l2 = m(x2)`` then ``l1.backward();
+l2.backward()`` reduces both. A backward in which no parameter got a gradient
+(``torch.autograd.grad`` to the inputs, a gradient penalty) decides nothing and forgets nothing. A
+forward that runs inside a backward (a recomputation) is not counted.
 """
 
 from __future__ import annotations
@@ -15,13 +28,14 @@ import logging
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fsdp import collectives
 from fsdp._device import DeviceHandle, default_compute_device
@@ -45,20 +59,36 @@ class _BackwardState:
     """Per-backward state, a plain object so that the hot hook path avoids ``nn.Module.__setattr__``."""
 
     phase: _Phase = _Phase.IDLE
-    forwards: int = 0  # grad-enabled forwards through the wrapper since the last backward
-    reduce_from_forward: bool = False  # one of them ran with need_reduction=True
+    reached: set[int] = field(default_factory=set)  # tokens of forwards whose outputs this backward reached
+    end_queued: bool = False  # the end-of-backward callback is queued (in the backward that reached them)
     unexpected: list[str] | None = None  # parameters that got a gradient but were not trainable at forward
 
 
-_OWNER = "_fsdp_ddp_owner"  # on a parameter: a weak reference to the wrapper whose hooks reduce it
+# grad-enabled forwards kept waiting for their backward, at most (the oldest are forgotten)
+_MAX_PENDING = 64
+
+
+# parameter -> a weak reference to the wrapper whose hooks reduce it (held weakly: pickling the
+# module, or dropping it, is not affected)
+_OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _owner_of(param: torch.Tensor) -> weakref.ref[DistributedDataParallel] | None:
+    return _OWNERS.get(param)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def _grad_ready(owner: weakref.ref[DistributedDataParallel], param: torch.Tensor) -> None:
     """A parameter's hook. It holds its wrapper weakly and acts only while that wrapper is the
     parameter's owner: a wrapper that was dropped, or replaced by a newer one, reduces nothing."""
     wrapper = owner()
-    if wrapper is not None and getattr(param, _OWNER, None) is owner:
+    if wrapper is not None and _owner_of(param) is owner:
         wrapper._on_grad_ready(param)
+
+
+def _inside_backward() -> bool:
+    """Whether autograd is running a backward in this thread (a recomputation calls forward there)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 # The key of a trainable set: the positions (in module.parameters()) and dtypes of the trainable ones.
@@ -120,6 +150,8 @@ class DistributedDataParallel(nn.Module):
     _hooks: list[RemovableHandle]  # post-accumulate-grad hooks on the module's parameters
     _ref: weakref.ref[DistributedDataParallel]  # what a parameter's _OWNER holds
     _state: _BackwardState
+    _token: int  # the last grad-enabled forward's number
+    _pending: dict[int, bool]  # forwards not yet backpropagated -> need_reduction at that forward
 
     def __init__(
         self,
@@ -206,11 +238,15 @@ class DistributedDataParallel(nn.Module):
         self._layouts = {}
         self._hooks = []
         self._ref = weakref.ref(self)
+        self._token = 0
+        self._pending = {}
         self._state = _BackwardState()
         self._refresh_trainable(force=True)
 
     # ---- public --------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if _inside_backward():  # a recomputation (activation checkpointing around the wrapper)
+            return self.module(*inputs, **kwargs)
         if self._state.phase is not _Phase.IDLE:
             # the last backward raised before its end-of-backward callback ran
             warnings.warn(
@@ -223,7 +259,7 @@ class DistributedDataParallel(nn.Module):
                 self._bucketer.abort()
             self._state = _BackwardState()
         first = next(iter(self._trainable), None)
-        if first is not None and getattr(first, _OWNER, None) is not self._ref:
+        if first is not None and _owner_of(first) is not self._ref:
             raise RuntimeError(
                 "DistributedDataParallel: a newer DistributedDataParallel wraps this module and reduces its "
                 "gradients; use that one (this wrapper's hooks are inactive)"
@@ -233,21 +269,29 @@ class DistributedDataParallel(nn.Module):
             # After the module's forward, like apex: a forward that freezes or unfreezes parameters
             # is seen before the backward it feeds.
             self._refresh_trainable()
-            state = self._state
-            state.forwards += 1
-            state.reduce_from_forward = state.reduce_from_forward or self.need_reduction
-            visit_tensors(result, self._hook_output, [])
+            self._token += 1
+            token = self._token
+            self._pending[token] = self.need_reduction
+            while len(self._pending) > _MAX_PENDING:
+                del self._pending[next(iter(self._pending))]
+            # (the hook holds the wrapper: DDP(m)(x).sum().backward() reduces although nothing else does)
+            hook = functools.partial(self._on_output_grad, token)
+
+            def hook_output(t: torch.Tensor) -> None:
+                if t.grad_fn is not None:  # a leaf (a parameter returned as is) would collect hooks
+                    t.register_hook(hook)  # type: ignore[no-untyped-call]
+
+            visit_tensors(result, hook_output, [])
         return result
 
-    def _hook_output(self, t: torch.Tensor) -> None:
-        if t.requires_grad:
-            t.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
-
-    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The backward reached an output of this wrapper: start it here, in the outer backward."""
-        if self._state.phase is _Phase.IDLE:
-            self._begin()
-        return grad
+    def _on_output_grad(self, token: int, grad: torch.Tensor) -> None:
+        """A backward reached an output of the forward ``token``: queue the end of this backward
+        here, in the backward the user started (a parameter's hook may run in a nested one)."""
+        state = self._state
+        state.reached.add(token)
+        if not state.end_queued:
+            state.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -372,11 +416,11 @@ class DistributedDataParallel(nn.Module):
         names = {id(p): n for n, p in self.module.named_parameters()}
         position = {id(p): i for i, p in enumerate(self.module.parameters())}
         for p in current:
-            if getattr(p, _OWNER, None) is not self._ref:  # a parameter this wrapper has not hooked yet
+            if _owner_of(p) is not self._ref:  # a parameter this wrapper has not hooked yet
                 hook = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                     functools.partial(_grad_ready, self._ref)
                 )
-                setattr(p, _OWNER, self._ref)
+                _OWNERS[p] = self._ref
                 self._hooks.append(hook)
         key: _TrainableKey = tuple((position[id(p)], p.dtype) for p in current)
         triggers = None
@@ -402,18 +446,17 @@ class DistributedDataParallel(nn.Module):
 
     # ---- hooks -------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        """The first hook of a backward: decide whether it reduces, and queue its end.
-
-        The first hook is normally an output's, which runs in the backward the user started; a
-        parameter's hook can run inside a nested one (reentrant checkpointing), whose end comes first.
-        A backward reduces when a forward through the wrapper since the last backward ran with
-        ``need_reduction`` and it is still set now (torch's rule: a gradient computed by calling the
-        wrapped module directly stays local).
-        """
+        """The first parameter hook of a backward: decide whether it reduces. See [Note: which backward reduces]."""
         state = self._state
-        reduce = self.need_reduction and state.reduce_from_forward and state.forwards > 0
+        if state.reached:
+            from_forward = any(self._pending.get(t, False) for t in state.reached)
+        else:  # no output of the wrapper on the way (outputs it cannot hook, or the module called directly)
+            from_forward = any(self._pending.values())
+        reduce = self.need_reduction and from_forward
         state.phase = _Phase.REDUCING if reduce else _Phase.LOCAL
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+        if not state.end_queued:
+            state.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
         if reduce:
             self._bucketer.begin_backward()
 
@@ -440,6 +483,13 @@ class DistributedDataParallel(nn.Module):
         state = self._state
         phase, unexpected = state.phase, state.unexpected
         self._state = _BackwardState()
+        if phase is _Phase.IDLE:  # no parameter got a gradient (torch.autograd.grad to the inputs, say)
+            return
+        if state.reached:  # those forwards are done with; a later backward of theirs stays local
+            for t in state.reached:
+                self._pending.pop(t, None)
+        else:
+            self._pending.clear()
         if phase is not _Phase.REDUCING:
             return
         self._bucketer.finish_backward()

@@ -153,6 +153,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     training_state: TrainingState
     _ctx: _RootContext | None  # set at the root's lazy init; shared by the whole tree
     _is_root: bool | None  # None until lazy init
+    _inside_another: bool  # an outer wrapper was built around this one
     _reshard_after_forward: bool  # effective value (the root may override the config)
     _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
@@ -265,6 +266,9 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         self.fsdp_config = dataclasses.replace(config, compute_device=device)
         precision = config.precision
         self._fsdp_wrapped_module = module
+        self._inside_another = False
+        for _, w in inner:
+            w._inside_another = True  # (before any forward: checkpoints refuse an inner wrapper)
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
         stats = CommStats()

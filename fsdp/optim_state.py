@@ -431,7 +431,18 @@ def sharded_optim_state_dict_template(
             )
     if sorted(groups) != list(range(len(groups))) or not groups:
         problems.append("the checkpoint's optimizer param_groups are missing or incomplete")
+    groups = {i: _lists_back(g) for i, g in groups.items()}
     return {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}, problems
+
+
+def _lists_back(node: Any) -> Any:
+    """DCP names a list's items ``0``, ``1``, ...: turn such placeholder dicts back into lists."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists_back(v) for k, v in node.items()}
+    if node and sorted(node) == [str(i) for i in range(len(node))] and all(k.isdigit() for k in node):
+        return [node[str(i)] for i in range(len(node))]
+    return node
 
 
 class OptimLoadPlan:

@@ -386,6 +386,7 @@ def _mismatched_use(tmp: str) -> dict[str, Any]:
     # tensor and nested hyperparameters come back as they were
     tensor_lr = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.02))
     tensor_lr.param_groups[0]["meta"] = {"tag": "x", "k": 2}
+    tensor_lr.param_groups[0]["scales"] = [torch.tensor(1.0), torch.tensor(2.0)]
     train(model, tensor_lr, CASE, range(1))
     save_checkpoint(root / "hyper", model, tensor_lr)
     fresh = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.5))
@@ -399,6 +400,7 @@ def _mismatched_use(tmp: str) -> dict[str, Any]:
         "unchanged": unchanged,
         "lr": (type(group["lr"]).__name__, float(group["lr"])),
         "meta": group["meta"],
+        "scales": [float(t) for t in group["scales"]] if isinstance(group.get("scales"), list) else None,
         "committed": sorted(p.name for p in root.iterdir() if (p / COMMIT_MARKER).exists()),
     }
 
@@ -411,8 +413,9 @@ def test_checkpoints_used_inconsistently_fail_on_every_rank(pool: RankPool, tmp_
         assert "different checkpoint directories" in m["load_paths"] and r["unchanged"]
         assert "weights_only" in m["extra"] and "Fraction" in m["extra"]
         assert "extra cannot be saved" in m["extra_local"]
-        assert "Adam optimizer" in m["optimizer_class"] and "SGD" in m["optimizer_class"]
+        assert "torch.optim.adam.Adam" in m["optimizer_class"] and "SGD" in m["optimizer_class"]
         assert r["lr"] == ("Tensor", pytest.approx(0.02)) and r["meta"] == {"tag": "x", "k": 2}
+        assert r["scales"] == [1.0, 2.0]
         assert "not an inner one" in m["inner"]
         assert r["committed"] == ["a", "b", "hyper"], r["committed"]
 

@@ -571,6 +571,40 @@ def _torch_semantics() -> dict[str, Any]:
         torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
     )
 
+    # two forwards, then two backwards: both reduce (the mean of the ranks' summed gradients)
+    model, local = DDP(seq()), seq()
+    for m in (model, local):
+        first, second = m(x), m(2 * x)
+        first.pow(2).sum().backward()
+        second.pow(2).sum().backward()
+    for p in local.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    out["two_backwards"] = all(
+        torch.allclose(a.grad, b.grad, atol=1e-6)
+        for a, b in zip(model.module.parameters(), local.parameters(), strict=True)
+    )
+
+    # a gradient penalty: torch.autograd.grad to the input first, then the backward that reduces
+    model, reference = DDP(seq()), TorchDDP(seq())
+    for m in (model, reference):
+        inp = x.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(m(inp).sum(), inp, create_graph=True)
+        (m(x).pow(2).sum() + g.pow(2).sum()).backward()
+    out["penalty"] = all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+    # non-reentrant checkpointing around the wrapper: its recomputation is not a new step
+    model, reference = DDP(seq()), TorchDDP(seq())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (model, reference):
+            checkpoint(m, x, use_reentrant=False).pow(2).sum().backward()
+    out["recompute"] = not any("did not finish" in str(w.message) for w in caught) and all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
     # a newer wrapper of the same module takes over: the old one reduces nothing and refuses forward
     module = seq()
     old = DDP(module)
@@ -613,6 +647,7 @@ def _torch_semantics() -> dict[str, Any]:
 def test_torch_ddp_semantics(pool: RankPool) -> None:
     for r in pool.run(_torch_semantics):
         assert r["reentrant_equal"] and r["direct_is_local"] and r["forward_outside_wins"], r
+        assert (r["two_backwards"], r["penalty"], r["recompute"]) == (True, True, True)
         assert r["reduced_once"] and "a newer DistributedDataParallel wraps this module" in r["old_refused"]
         assert "reduce other parameters than rank 0" in r["delay_sets"]
         assert r["fp64_dtypes"] == ["torch.float64"], r["fp64_dtypes"]
