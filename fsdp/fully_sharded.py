@@ -604,6 +604,21 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                 for h, saved in snapshots:
                     h.sharded_data().copy_(saved)
 
+    @contextlib.contextmanager
+    def _full_params_shown(self) -> Iterator[None]:
+        """This wrapper's full parameters, shown for a read: as the user's summon left them, or
+        gathered for the duration (and discarded after)."""
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            yield
+            return
+        self.assert_state(TrainingState.IDLE)
+        with self._state(TrainingState.SUMMON_FULL_PARAMS):
+            self._show_full_params()
+            try:
+                yield
+            finally:
+                self._hide_full_params(write_back=False)
+
     def _show_full_params(self) -> None:
         for h in self.handles:
             h.unshard(full_precision=True)
@@ -683,22 +698,9 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         cfg = self.fsdp_config.state_dict
         device = self._state_dict_device()
         keep = not cfg.state_dict_on_rank_0_only or self.rank == 0
-        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:  # shown by the user's summon
+        with self._full_params_shown():
             self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
             sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
-        else:
-            self.assert_state(TrainingState.IDLE)
-            with self._state(TrainingState.SUMMON_FULL_PARAMS):
-                self._show_full_params()
-                try:
-                    self._fsdp_wrapped_module.state_dict(
-                        destination=destination, prefix=prefix, keep_vars=keep_vars
-                    )
-                    sd_impl.own_full_values(
-                        self.handles, self._buffer_dtypes, destination, prefix, device, keep
-                    )
-                finally:
-                    self._hide_full_params(write_back=False)
         if top:
             if not keep:
                 destination.clear()
