@@ -18,7 +18,10 @@ is written into the model or the optimizer, so a failed load changes nothing.
 
 Files: ``.metadata`` and ``__<rank>_<n>.distcp`` (DCP), ``fsdp_manifest.json`` (format, world size,
 the unwrapped model's state-dict keys and tied names), ``extra.pt`` (the ``extra`` object, from rank
-0) and ``COMMITTED``. The directory must be on a file system that every rank sees.
+0) and ``COMMITTED``. The directory must be on a file system that every rank sees (it may be mounted
+at different paths on different nodes): before writing anything, rank 0 leaves a random token in
+``.fsdp_save_probe`` and every rank must read it back at its own path. A load compares the
+checkpoint id (random, in the marker) that each rank read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import time
 import warnings
 from pathlib import Path
@@ -70,14 +74,16 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "fsdp_manifest.json"
 EXTRA = "extra.pt"
+PROBE = ".fsdp_save_probe"  # rank 0's random token: every rank must read it back at its own path
 FORMAT = "fsdp-checkpoint"
 VERSION = 1
 _MODEL, _OPTIM = "model", "optim"
 
 
 _SAME_PATH = (
-    "the ranks passed different checkpoint directories, or read different checkpoints; pass every rank "
-    "the same path (for a resume: rank 0's latest_checkpoint(), sent with dist.broadcast_object_list)"
+    "the ranks passed different checkpoint directories, or read different checkpoints, or the directory "
+    "is not on a file system every rank sees; pass every rank the same directory on a shared file system "
+    "(for a resume: rank 0's latest_checkpoint(), sent with dist.broadcast_object_list)"
 )
 
 
@@ -148,6 +154,7 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "(truncated or changed after the save). Load an earlier checkpoint"
             )
     manifest["saved_at_ns"] = committed.get("saved_at_ns", 0)
+    manifest["checkpoint_id"] = committed.get("checkpoint_id", "")
     return dict(manifest)
 
 
@@ -214,6 +221,8 @@ def _serialize_extra(extra: Any) -> bytes:
 
 def _looks_like_failed_save(root: Path) -> bool:
     ours = {
+        PROBE,
+        PROBE + ".tmp",
         ".metadata",
         ".metadata.tmp",
         MANIFEST,
@@ -271,13 +280,27 @@ def save_checkpoint(
     blob = None
     if layout.rank == 0:
         try:
-            _prepare_directory(root)
             if extra is not None:
                 blob = _serialize_extra(extra)
+            _prepare_directory(root)
+            if layout.world_size > 1:
+                _write_atomically(root / PROBE, secrets.token_hex(16))
         except Exception as e:
             error = str(e) if isinstance(e, CheckpointError) else _error(e)
-    # every rank must name the same directory (a per-rank name would commit rank 0's files only)
-    agree(layout, error, what, str(root.resolve()), CheckpointError, _SAME_PATH)
+    agree(layout, error, what, exc_type=CheckpointError)
+    # every rank must see the directory rank 0 prepared (a per-rank name, or a disk only one node
+    # sees, would commit rank 0's files only); mount points may differ
+    if layout.world_size > 1:
+        try:
+            seen = (root / PROBE).read_text()
+        except OSError as e:
+            seen = f"unreadable: {type(e).__name__}"
+        try:
+            agree(layout, None, what, seen, CheckpointError, _SAME_PATH)
+        except CheckpointError:
+            if layout.rank == 0:
+                (root / PROBE).unlink(missing_ok=True)  # leave the directory as rank 0 found it
+            raise
 
     error = None
     try:
@@ -315,9 +338,11 @@ def save_checkpoint(
     error = None
     if layout.rank == 0:
         try:
+            (root / PROBE).unlink(missing_ok=True)
             files = {p.name: p.stat().st_size for p in sorted(root.iterdir()) if p.is_file()}
             marker = {
                 "format": FORMAT,
+                "checkpoint_id": secrets.token_hex(16),
                 "saved_at_ns": time.time_ns(),
                 "world_size": layout.world_size,
                 "files": files,
@@ -372,8 +397,8 @@ def load_checkpoint(
         error = "\n  ".join(problems) or None
     except Exception as e:
         error = str(e) if isinstance(e, CheckpointError) else _error(e)
-    # every rank must read the same checkpoint (the same directory, saved at the same time)
-    which = f"{root.resolve()}@{manifest.get('saved_at_ns', 0)}"
+    # every rank must read the same checkpoint (mount points may differ; the id is the save's)
+    which = f"{manifest.get('checkpoint_id', '')}@{manifest.get('saved_at_ns', 0)}"
     agree(layout, error, what, which, CheckpointError, _SAME_PATH)
 
     extra = None

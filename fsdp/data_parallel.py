@@ -230,6 +230,11 @@ class DistributedDataParallel(nn.Module):
             num_allreduce_streams, allreduce_communicators
         )
         self._check_same_model()
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                "DistributedDataParallel: the module has no parameter that requires a gradient, so there "
+                "is nothing to reduce; run it unwrapped, or set requires_grad=True on what should train"
+            )
         self._broadcast_state()
 
         self._trainable = []
@@ -373,6 +378,7 @@ class DistributedDataParallel(nn.Module):
         if world == 1:
             return
         text = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in self._state_tensors())
+        text += f";trainable:{any(p.requires_grad for p in self.module.parameters())}"
         digest = collectives.digest_of_text(text)
         everyone = collectives.all_gather_ints(
             [digest], self.process_group, self._device.device, self.comm_stats
@@ -381,7 +387,7 @@ class DistributedDataParallel(nn.Module):
         if differ:
             raise ValueError(
                 f"DistributedDataParallel: rank(s) {differ} wrap a different model than rank 0 (parameter "
-                "or buffer names, shapes or dtypes differ); build the same model on every rank"
+                "or buffer names, shapes or dtypes, or whether anything trains, differ); build the same model on every rank"
             )
 
     @torch.no_grad()

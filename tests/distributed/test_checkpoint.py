@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy, latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdp.checkpoint_io import COMMIT_MARKER, CheckpointError
+from fsdp.checkpoint_io import COMMIT_MARKER, PROBE, CheckpointError
 from fsdp.consolidate import main as consolidate_main
 from tests.checkpointing import (
     expect_error,
@@ -395,6 +395,16 @@ def _mismatched_use(tmp: str) -> dict[str, Any]:
     group = fresh.param_groups[0]
     # an inner wrapper is refused
     messages["inner"] = expect_error(ValueError, save_checkpoint, root / "inner", model.module.body, None)
+    # the same shared directory mounted under another name on rank 1's node works (simulated: the
+    # path rank 1 resolves differs from rank 0's; the ranks compare what they read there instead)
+    original = Path.resolve
+    if rank == 1:
+        Path.resolve = lambda self, strict=False: Path("/mnt/node1") / original(self, strict).relative_to("/")  # type: ignore[method-assign]
+    try:
+        save_checkpoint(root / "mounted", model, opt)
+        load_checkpoint(root / "mounted", model, opt)
+    finally:
+        Path.resolve = original  # type: ignore[method-assign]
     return {
         "messages": messages,
         "unchanged": unchanged,
@@ -402,6 +412,10 @@ def _mismatched_use(tmp: str) -> dict[str, Any]:
         "meta": group["meta"],
         "scales": [float(t) for t in group["scales"]] if isinstance(group.get("scales"), list) else None,
         "committed": sorted(p.name for p in root.iterdir() if (p / COMMIT_MARKER).exists()),
+        "left": {
+            p.name: sorted(f.name for f in p.iterdir()) for p in root.iterdir() if p.name.startswith("step_")
+        },
+        "probes": sorted(str(p) for p in root.rglob(PROBE)),
     }
 
 
@@ -417,7 +431,9 @@ def test_checkpoints_used_inconsistently_fail_on_every_rank(pool: RankPool, tmp_
         assert r["lr"] == ("Tensor", pytest.approx(0.02)) and r["meta"] == {"tag": "x", "k": 2}
         assert r["scales"] == [1.0, 2.0]
         assert "not an inner one" in m["inner"]
-        assert r["committed"] == ["a", "b", "hyper"], r["committed"]
+        assert r["committed"] == ["a", "b", "hyper", "mounted"], r["committed"]
+        assert r["left"] == {"step_0": []}, "a refused save leaves only the empty directory rank 0 made"
+        assert r["probes"] == [], "the save probe is removed before the commit"
 
 
 # ---------------------------------------------------------------------- local state dict misuse

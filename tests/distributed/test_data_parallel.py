@@ -678,6 +678,8 @@ def _construction() -> dict[str, Any]:
             ValueError, DDP, nn.Linear(2, 2), allreduce_trigger_params=[nn.Parameter(torch.ones(1))]
         ),
         "different_model": _expect(ValueError, DDP, nn.Linear(2, 2 + (rank == 1))),
+        "frozen": _expect(ValueError, DDP, nn.Linear(2, 2).requires_grad_(False)),
+        "frozen_on_one_rank": _expect(ValueError, DDP, nn.Linear(2, 2).requires_grad_(rank != 1)),
     }
     return {
         "same_state": all(torch.equal(e, everyone[0]) for e in everyone),
@@ -698,6 +700,8 @@ def test_construction_broadcasts_and_validates(pool: RankPool) -> None:
         assert "gradient_predivide_factor" in r["errors"]["predivide"]
         assert "not parameters of the wrapped module" in r["errors"]["foreign_trigger"]
         assert "rank(s) [1] wrap a different model" in r["errors"]["different_model"]
+        assert "no parameter that requires a gradient" in r["errors"]["frozen"]
+        assert "rank(s) [1] wrap a different model" in r["errors"]["frozen_on_one_rank"]
         assert r["keys"][0] == "module.0.weight", "state dict keys carry the 'module.' prefix like torch DDP"
 
 
