@@ -34,7 +34,6 @@ __all__ = [
     "SharedParamInfo",
     "check_not_owned_by_inner",
     "collect_owned",
-    "flatten_tensors",
     "group_params",
     "own_parameters",
     "set_module_tensor",
@@ -127,11 +126,6 @@ def make_meta(entries: Sequence[_Entry], shared: Sequence[tuple[_Entry, int]]) -
     shared_infos = tuple(SharedParamInfo(e.fqn, e.module_name, e.param_name, i) for e, i in shared)
     first = entries[0].param
     return FlatParamMeta(tuple(infos), shared_infos, offset, first.dtype, first.requires_grad)
-
-
-def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate the tensors' elements into one new 1-D tensor."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
 def unflatten_views(

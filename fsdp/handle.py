@@ -82,7 +82,6 @@ from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_
 from fsdp.flat_param import (
     FlatParamMeta,
     _Entry,
-    flatten_tensors,
     make_meta,
     set_module_tensor,
     unflatten_views,
@@ -160,11 +159,11 @@ class FlatParamHandle:
         self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
         self.compute_dtype = param_dtype if param_dtype is not None else self.meta.dtype
         self.reduce_dtype = reduce_dtype
-        with torch.no_grad():
-            flat = flatten_tensors([e.param.to(device) for e in entries])
-            padded = torch.zeros(self.spec.padded_numel, dtype=flat.dtype, device=device)
-            padded[: flat.numel()].copy_(flat)
-            del flat
+        with torch.no_grad():  # straight into the padded buffer: one unit's copy beside the parameters
+            padded = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=device)
+            for e, info in zip(entries, self.meta.params):
+                padded[info.offset : info.offset + info.numel].view(info.shape).copy_(e.param)
+            padded[self.meta.numel :].zero_()
         # With CPU offload the master shard lives in (pinned) host memory; on a CPU compute device
         # that is where it is anyway, and nothing changes.
         self.compute_device = device  # where the full parameter and the collectives live

@@ -58,9 +58,9 @@ def test_memory_follows_formula(result: dict[str, Any]) -> None:
         # P x (4 + 4 + 8) / N plus less than one padding element per unit
         assert 16 * p / n <= r["total_bytes"] < 16 * p / n + 16 * len(numels)
         assert r["largest_unit_bytes"] == 4 * max(chunk_numel(k, n) * n for k in numels)
-        # deferred init: the shards plus the transients of one unit (its materialized parameters,
-        # the flattened and the padded copy), never the full model
-        assert r["wrap_peak_tracked_bytes"] <= r["measured_param_bytes"] + 4 * r["largest_unit_bytes"]
+        # deferred init: the shards plus the transients of one unit (its materialized parameters
+        # and the padded flat copy they are written into), never the full model
+        assert r["wrap_peak_tracked_bytes"] <= r["measured_param_bytes"] + 2 * r["largest_unit_bytes"]
     excess = [r["total_bytes"] - r["formula_bytes"] for r in result["memory"]]
     assert any(e > 0 for e in excess), "the quick model is meant to need padding somewhere"
 
