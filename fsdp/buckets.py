@@ -60,7 +60,8 @@ class BucketConfig:
     ``allreduce_always_fp32``: reduce fp16/bf16 buckets in an fp32 copy.
     ``gradient_predivide_factor`` ``f``: gradients are multiplied by ``1/f`` before the all-reduce
     and, when ``gradient_average``, by ``f/world_size`` after it; without ``gradient_average`` the
-    result is the sum over ranks divided by ``f``.
+    result is the sum over ranks divided by ``f``. ``gradient_postdivide_factor``, when given,
+    replaces that rule: the all-reduced sum is divided by it (FSDP's pre/post factors).
     """
 
     message_size: int = 10_000_000
@@ -68,15 +69,19 @@ class BucketConfig:
     allreduce_always_fp32: bool = False
     gradient_average: bool = True
     gradient_predivide_factor: float = 1.0
+    gradient_postdivide_factor: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.message_size, bool) or not isinstance(self.message_size, int):
             raise TypeError(f"message_size must be an int (elements per bucket), got {self.message_size!r}")
         if self.message_size < 1:
             raise ValueError(f"message_size must be >= 1 element, got {self.message_size}")
-        f = self.gradient_predivide_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < float(f) < float("inf"):
-            raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}")
+        for name in ("gradient_predivide_factor", "gradient_postdivide_factor"):
+            f = getattr(self, name)
+            if f is None and name == "gradient_postdivide_factor":
+                continue
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < float(f) < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {f!r}")
 
 
 @dataclass(frozen=True)
@@ -499,7 +504,10 @@ class GradBucketer:
         for stream in self._streams:
             self._device.wait_stream(current, stream)
         world = dist.get_world_size(self.group)
-        post = world / cfg.gradient_predivide_factor if cfg.gradient_average else 1.0
+        if cfg.gradient_postdivide_factor is not None:
+            post = cfg.gradient_postdivide_factor
+        else:
+            post = world / cfg.gradient_predivide_factor if cfg.gradient_average else 1.0
         flags: list[torch.Tensor] = []
         with torch.no_grad():
             for bucket in self._buckets:

@@ -666,6 +666,9 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             w.fsdp_config = dataclasses.replace(w.fsdp_config, comm=comm)
             for h in w.handles:
                 h.comm = comm
+        ctx = self._ctx
+        if ctx is not None:  # the NO_SHARD bucket engine was built with the old factors
+            _make_bucketer(ctx.wrappers[0], ctx)
 
     # ------------------------------------------------------------------ statistics
     def comm_stats(self) -> dict[str, dict[str, Any]]:

@@ -564,6 +564,10 @@ def clip_grad_norm_(
     locally, so replicas are never counted twice. Collective over the shard groups.
     """
     p = norm_type
+    if not (p > 0):  # also NaN; -inf and p <= 0 are no norms of the concatenated gradients
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be > 0 (or math.inf), got {norm_type}; use 2.0 for the usual norm"
+        )
     partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
     for h in handles:
         grad = h.flat_param.grad
@@ -616,19 +620,21 @@ def make_no_shard_bucketer(
     if not chosen:
         return None, {}
     group = chosen[0][1].comm.replicate_group
-    factor = chosen[0][1].comm.gradient_predivide_factor
+    factors = (chosen[0][1].comm.gradient_predivide_factor, chosen[0][1].comm.gradient_postdivide_factor)
     if any(
-        h.comm.replicate_group is not group or h.comm.gradient_predivide_factor != factor for _, h in chosen
+        h.comm.replicate_group is not group
+        or (h.comm.gradient_predivide_factor, h.comm.gradient_postdivide_factor) != factors
+        for _, h in chosen
     ):
         return None, {}
     assert group is not None
+    config = BucketConfig(
+        message_size=max(1, int(bucket_cap_mb * 2**20 / 4)),
+        gradient_predivide_factor=factors[0],
+        gradient_postdivide_factor=factors[1],
+    )
     bucketer = GradBucketer(
-        [h.flat_param for _, h in chosen],
-        [name for name, _ in chosen],
-        group,
-        BucketConfig(message_size=max(1, int(bucket_cap_mb * 2**20 / 4)), gradient_predivide_factor=factor),
-        device,
-        stats=stats,
+        [h.flat_param for _, h in chosen], [name for name, _ in chosen], group, config, device, stats=stats
     )
     return bucketer, {id(h): i for i, (_, h) in enumerate(chosen)}
 

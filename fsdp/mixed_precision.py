@@ -6,6 +6,7 @@ reduction, lives with the tensors in :mod:`fsdp.handle`; see [Note: flat paramet
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,11 @@ def resolve_precision(
             raise TypeError(
                 f"FullyShardedDataParallel: `{name}` must be a torch.dtype or None, got {value!r}"
             )
+    if buffer_dtype is not None and not buffer_dtype.is_floating_point:
+        raise ValueError(
+            f"FullyShardedDataParallel: `buffer_dtype` is the dtype floating-point buffers are cast to, so it "
+            f"must be a floating-point dtype, got {buffer_dtype}; pass e.g. torch.float32, or None to keep them"
+        )
     if isinstance(mixed_precision, MixedPrecision):
         if compute_dtype is not None or buffer_dtype is not None or fp32_reduce_scatter:
             raise ValueError(
@@ -40,6 +46,12 @@ def resolve_precision(
             )
         mp: MixedPrecision | None = mixed_precision
     elif mixed_precision is True:
+        for name, value in (("compute_dtype", compute_dtype), ("buffer_dtype", buffer_dtype)):
+            if value is not None and value not in (torch.float16, torch.bfloat16, torch.float32):
+                raise ValueError(
+                    f"FullyShardedDataParallel: `{name}` with mixed_precision=True must be torch.float16, "
+                    f"torch.bfloat16 or torch.float32, got {value}"
+                )
         mp = MixedPrecision(
             param_dtype=compute_dtype or torch.float16,
             reduce_dtype=torch.float32 if fp32_reduce_scatter else None,
@@ -110,10 +122,13 @@ def cast_inputs(obj: Any, src: torch.dtype, dst: torch.dtype, detach: bool) -> A
         return obj.to(dst)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(cast_inputs(v, src, dst, detach) for v in obj))
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, tuple):
         return type(obj)(cast_inputs(v, src, dst, detach) for v in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, cast_inputs(v, src, dst, detach)) for k, v in obj.items())
+    if isinstance(obj, (list, dict)):  # a shallow copy keeps a subclass's state (a defaultdict's factory)
+        copied = copy.copy(obj)
+        for k, v in enumerate(obj) if isinstance(obj, list) else obj.items():
+            copied[k] = cast_inputs(v, src, dst, detach)
+        return copied
     return obj
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import MixedPrecision, ShardedGradScaler
+from fsdp import MixedPrecision, ShardedGradScaler, ShardingStrategy
 from tests.rank_pool import RankPool
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -300,6 +300,17 @@ def _invalid(kwargs: dict[str, Any], dtype: torch.dtype) -> str:
         ({"mixed_precision": MixedPrecision(BF16), "compute_dtype": BF16}, F32, "ValueError: .*not both"),
         ({"mixed_precision": True, "force_input_to_fp32": True}, F32, "ValueError: .*force_input_to_fp32"),
         ({"mixed_precision": "yes"}, F32, "TypeError: .*mixed_precision"),
+        ({"buffer_dtype": torch.int32}, F32, "ValueError: .*`buffer_dtype`.*floating-point dtype"),
+        (
+            {"mixed_precision": True, "buffer_dtype": torch.bool},
+            F32,
+            "ValueError: .*`buffer_dtype`.*floating",
+        ),
+        (
+            {"mixed_precision": True, "compute_dtype": torch.float64},
+            F32,
+            "ValueError: .*`compute_dtype` with mixed",
+        ),
     ],
 )
 def test_invalid_combinations_say_what_to_change(
@@ -352,3 +363,54 @@ def test_gradient_predivide_factor_keeps_fp16_sums_finite(pool: RankPool) -> Non
     assert default[0] == pytest.approx(40000.0, rel=1e-3)
     no_predivide = pool.run(_fp16_sum_overflow, 1.0)
     assert no_predivide[0] == float("inf"), "without pre-division the fp16 sum overflows"
+
+
+def _divide_factors(strategy: str, when: str) -> list[list[float]]:
+    """Factors (1, 1) ask for the plain sum over ranks; rank r's local gradient is r + 1."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    inner = nn.Linear(2, 2, bias=False)
+    model = FSDP(
+        nn.Sequential(FSDP(inner), nn.Linear(2, 1, bias=False)), sharding_strategy=ShardingStrategy[strategy]
+    )
+    grads = []
+    for step in range(2):
+        if step == {"before": 0, "after": 1}.get(when):
+            model.set_gradient_divide_factors(1.0, 1.0, recursive=True)
+        model.zero_grad()
+        (model(torch.ones(1, 2)).sum() * (rank + 1)).backward()
+        # the flat gradients (shards, or full copies under NO_SHARD), summed over ranks
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        dist.all_reduce(flat)
+        grads.append([float(g) for g in flat])
+    return grads
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_gradient_divide_factors_apply_to_every_strategy(pool: RankPool, strategy: str) -> None:
+    mean = pool.run(_divide_factors, strategy, "never")[0][0]
+    for when in ("before", "after"):
+        for r in pool.run(_divide_factors, strategy, when):
+            summed = r[0] if when == "before" else r[1]
+            assert summed == pytest.approx([2 * g for g in mean]), (when, summed, mean)
+
+
+def test_input_containers_keep_their_types() -> None:
+    import collections
+
+    from fsdp.mixed_precision import cast_inputs
+
+    class Batch(list):  # a list subclass whose constructor takes other arguments
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+    batch = Batch("b")
+    batch.append(torch.ones(1))
+    nested = collections.defaultdict(list, x=torch.ones(1), n=torch.arange(2), b=batch)
+    out = cast_inputs((nested, [torch.ones(1)]), F32, BF16, detach=True)
+    assert type(out[0]) is collections.defaultdict and out[0].default_factory is list
+    assert out[0]["x"].dtype == BF16 and out[0]["n"].dtype == torch.int64, "only floating inputs are cast"
+    assert type(out[0]["b"]) is Batch and out[0]["b"].name == "b" and out[0]["b"][0].dtype == BF16
+    assert out[1][0].dtype == BF16 and nested["x"].dtype == F32, "the caller's containers are not changed"

@@ -152,7 +152,19 @@ def _clip(norm_type: float, strategy: str) -> dict[str, Any]:
         model.module.mix.clip_grad_norm_(1.0)
     except RuntimeError as e:
         inner = str(e)
-    return {"norm": norm.item(), "ref_norm": ref_norm.item(), "grad": _grad_error(model, ref), "inner": inner}
+    not_norms = []
+    for bad in (0.0, -1.0, -math.inf, math.nan):  # no norm of the concatenated gradients: refused
+        try:
+            model.clip_grad_norm_(1.0, bad)
+        except ValueError as e:
+            not_norms.append(str(e))
+    return {
+        "norm": norm.item(),
+        "ref_norm": ref_norm.item(),
+        "grad": _grad_error(model, ref),
+        "inner": inner,
+        "not_norms": not_norms,
+    }
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
@@ -167,6 +179,7 @@ def test_clip_grad_norm_matches_torch_on_the_plain_model(
         assert r["norm"] > 0.05, "the test must actually clip"
         assert r["grad"] <= TOL, "clipped gradients equal the plain model's clipped gradients"
         assert "must be called on the root" in r["inner"]
+        assert len(r["not_norms"]) == 4 and all("norm_type must be > 0" in m for m in r["not_norms"])
     assert len({r["norm"] for r in results}) == 1, "identical on every rank"
 
 
