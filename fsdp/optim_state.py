@@ -80,6 +80,17 @@ def _groups_of(layout: Layout, optim: torch.optim.Optimizer) -> list[list[FlatPa
     return groups
 
 
+def _flat_states(optim: Any) -> dict[int, Mapping[str, Any]]:
+    """The optimizer's state per parameter, keyed by ``id(parameter)``. A torch optimizer's ``state``
+    is read directly; an optimizer wrapper without one (fairseq's) through ``state_dict()``, whose
+    ids number the parameters in param-group order."""
+    state = getattr(optim, "state", None)
+    if isinstance(state, Mapping):
+        return {id(p): v for p, v in state.items() if isinstance(p, torch.Tensor)}
+    params = [p for group in optim.param_groups for p in group["params"]]
+    return {id(params[int(i)]): v for i, v in optim.state_dict()["state"].items()}
+
+
 def _flat_state_kinds(handle: FlatParamHandle, state: Mapping[str, Any]) -> dict[str, str]:
     """``"shard"`` (per element, shaped like the local shard), ``"scalar"`` (0-dim tensor) or ``"object"``."""
     kinds = {}
@@ -121,9 +132,10 @@ def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[
             )
     groups = _groups_of(layout, optim)
     position = {id(h): i for i, h in enumerate(layout.handles())}
+    states = _flat_states(optim)
     shape = [
         [
-            (position[id(h)], sorted(_flat_state_kinds(h, optim.state.get(h.flat_param, {})).items()))
+            (position[id(h)], sorted(_flat_state_kinds(h, states.get(id(h.flat_param), {})).items()))
             for h in handles
         ]
         for handles in groups
@@ -170,9 +182,10 @@ def gather_full_optim_state_dict(
     ordered = _plain_order(layout, groups)
     ids = {slot.name: i for i, slot in enumerate(s for group in ordered for s in group)}
     state: dict[int, dict[str, Any]] = {}
+    states = _flat_states(optim)
     for handles in groups:
         for h in handles:
-            flat_state = optim.state.get(h.flat_param, {})
+            flat_state = states.get(id(h.flat_param), {})
             slots = layout.slots(h)
             per_param: list[dict[str, Any]] = [{} for _ in slots]
             for key, kind in sorted(_flat_state_kinds(h, flat_state).items()):  # same order on every rank
@@ -198,7 +211,9 @@ def gather_full_optim_state_dict(
             saved["param_names"] = [s.name for s in ordered[g]]
         param_groups.append(saved)
     names = [s.name for group in ordered for s in group]
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups, "param_names": names}
+    # other top-level keys of the optimizer's state dict (a wrapper's loss scale, say) are kept
+    extras = {k: copy.deepcopy(v) for k, v in optim.state_dict().items() if k not in ("state", "param_groups")}
+    return {**extras, "state": dict(sorted(state.items())), "param_groups": param_groups, "param_names": names}
 
 
 def _elementwise_keys(per_param: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -243,7 +258,44 @@ def _combine(
                     parts.append(value.detach().reshape(-1).cpu())
             out[key] = torch.cat(parts).to(sample.dtype)
         else:
+            differ = [s.name for s, v in zip(slots, values, strict=True) if v is not None and not _same(v, sample)]
+            if differ:
+                warnings.warn(
+                    f"optimizer state {key!r} differs between parameters flattened together ({differ} differ from "
+                    f"{slots[[v is not None for v in values].index(True)].name!r}); a flat parameter holds one "
+                    "value, the first one is kept",
+                    stacklevel=3,
+                )
             out[key] = sample
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+    try:
+        return bool(a == b)
+    except Exception:  # values without a plain comparison count as the same
+        return True
+
+
+def _fairscale_order(layout: Layout) -> list[str]:
+    """How fairscale numbers a gathered state dict's parameters: wrapper by wrapper (outermost first,
+    in module order), each wrapper's own parameters in its module's ``named_parameters()`` order."""
+    position = {slot.name: k for k, slot in enumerate(layout.params)}
+    order = []
+    for unit in layout.units:
+        names = [slot.name for h in unit.handles for slot in layout.slots(h)]
+        order += sorted(names, key=position.__getitem__)
+    return order
+
+
+def _one_rank_singletons(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """fairscale keeps 0-dim state as a list with one tensor per saving rank; take this rank's (or the first)."""
+    out = dict(entry)
+    for key, value in entry.items():
+        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in value):
+            out[key] = value[rank] if rank < len(value) else value[0]
     return out
 
 
@@ -263,7 +315,21 @@ def get_shard_from_optim_state_dict(
     saved_state = full["state"]
     names = full.get("param_names")
     all_ids = [i for group in saved_groups for i in group["params"]]
-    if names is None:
+    fairscale = names is None and "param_id_map" in full
+    if fairscale:
+        if full.get("uncollected_local_ids"):
+            raise NotImplementedError(
+                f"{where}: the state dict holds fairscale's uncollected (no_broadcast_optim_state) entries "
+                f"{full['uncollected_local_ids']}; they cannot be resharded"
+            )
+        order = _fairscale_order(layout)
+        if len(full["param_id_map"]) != len(order) or sorted(all_ids) != list(range(len(order))):
+            raise ValueError(
+                f"{where}: the fairscale state dict numbers {len(full['param_id_map'])} parameters, this model "
+                f"has {len(order)}; load it into the model (and wrap plan) it was saved from"
+            )
+        name_of = dict(enumerate(order))
+    elif names is None:
         trainable = [s.name for s in layout.params if s.handle.requires_grad]
         every = [s.name for s in layout.params]
         candidates = [c for c in (trainable, every) if len(c) == len(all_ids)]
@@ -291,6 +357,8 @@ def get_shard_from_optim_state_dict(
                     f"{group_of[id(slot.handle)]}; all parameters of one flat parameter must share a param group"
                 )
             entry = saved_state.get(i, saved_state.get(str(i)))
+            if entry and fairscale:
+                entry = _one_rank_singletons(entry, layout.rank)
             if entry:
                 per_name[slot.name] = entry
     covered = [h for h in layout.handles() if id(h) in group_of]
@@ -333,9 +401,8 @@ def get_shard_from_optim_state_dict(
         if optim is not None and "param_names" in optim.param_groups[g]:
             group["param_names"] = list(optim.param_groups[g]["param_names"])
         local_groups.append(group)
-    extras = {
-        k: copy.deepcopy(v) for k, v in full.items() if k not in ("state", "param_groups", "param_names")
-    }
+    skip = ("state", "param_groups", "param_names", "param_id_map", "uncollected_local_ids")
+    extras = {k: copy.deepcopy(v) for k, v in full.items() if k not in skip}
     return {**extras, "state": state, "param_groups": local_groups}
 
 

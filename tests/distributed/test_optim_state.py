@@ -4,6 +4,7 @@ unwrapped model; sharded back (at any world size) training continues exactly."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -209,3 +210,107 @@ def test_agreement_raises_on_every_rank(pool: RankPool) -> None:
 def test_foreign_optimizer_fails_on_every_rank(pool: RankPool) -> None:
     for msg in pool.run(_not_flat):
         assert "failed on rank(s) [0, 1]" in msg and "not a flat parameter of this model" in msg
+
+
+# ---------------------------------------------------------------------- fairscale's and wrappers' formats
+def _square_net() -> nn.Sequential:
+    torch.manual_seed(0)  # every Linear 4x4: a parameter given another's state loads without a shape error
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+def _fairscale_format() -> dict[str, Any]:
+    """A dict in the layout of fairscale's gather_full_optim_state_dict: parameters numbered wrapper
+    by wrapper (the root's own 0.* and 4.*, then the inner wrapper's 2.*), a param_id_map (global id
+    -> the wrapper's flat id) and 0-dim state as one tensor per saving rank."""
+    ref = _square_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        ref_opt.zero_grad()
+        ref(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+        ref_opt.step()
+    plain = dict(ref.named_parameters())
+    order = ["0.weight", "0.bias", "4.weight", "4.bias", "2.weight", "2.bias"]
+    saved = {
+        "state": {
+            i: {
+                "momentum_buffer": ref_opt.state[plain[n]]["momentum_buffer"].clone(),
+                "tag": [torch.tensor(7.0)] * 2,
+            }
+            for i, n in enumerate(order)
+        },
+        "param_groups": [
+            {**{k: v for k, v in ref_opt.param_groups[0].items() if k != "params"}, "params": list(range(6))}
+        ],
+        "param_id_map": {i: 0 if i < 4 else 1 for i in range(6)},
+        "uncollected_local_ids": [],
+    }
+    model = _square_net()
+    model[2] = FSDP(model[2])
+    model = FSDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(model.get_shard_from_optim_state_dict(saved))
+    back = model.gather_full_optim_state_dict(opt)
+    assert back is not None or dist.get_rank() != 0
+    if back is None:
+        return {}
+    got = {n: back["state"][i]["momentum_buffer"] for i, n in enumerate(back["param_names"])}
+    return {
+        "wrong": [n for n in order if not torch.allclose(got[n], ref_opt.state[plain[n]]["momentum_buffer"])],
+        "tag": float(back["state"][0]["tag"]),
+        "keys": sorted(back),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_fairscale_numbering_puts_each_state_on_its_parameter(pool: RankPool) -> None:
+    r = pool.run(_fairscale_format)[0]
+    assert r["wrong"] == [], "a parameter got another parameter's state"
+    assert r["tag"] == 7.0, "fairscale's per-rank 0-dim state becomes this rank's value"
+    assert r["keys"] == ["param_groups", "param_names", "state"]
+
+
+class _WrappedOptimizer:
+    """An optimizer wrapper in fairseq's style: param_groups and state_dict(), no ``state``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.optimizer.state_dict(), "loss_scale": 128.0}
+
+
+def _wrapper_and_steps() -> dict[str, Any]:
+    model = FSDP(_square_net())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    full = model.gather_full_optim_state_dict(_WrappedOptimizer(opt))  # type: ignore[arg-type]
+    net = _square_net()
+    plain = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.ones(2, 4)).sum().backward()
+    plain.step()
+    net[0].weight.grad = torch.ones_like(net[0].weight)
+    plain.param_groups[0]["params"] = [net[0].weight]
+    plain.step()  # 0.weight has taken two steps, 0.bias one: they share a flat parameter in FSDP
+    plain.param_groups[0]["params"] = list(net.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.get_shard_from_optim_state_dict(plain.state_dict())
+    return {
+        "loss_scale": None if full is None else full.get("loss_scale"),
+        "has_state": None if full is None else len(full["state"]),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_optimizer_wrappers_and_differing_scalar_state(pool: RankPool) -> None:
+    r0, r1 = pool.run(_wrapper_and_steps)
+    assert r0["loss_scale"] == 128.0 and r0["has_state"] == 6, "a wrapper's own keys are kept, its state read"
+    assert r1["loss_scale"] is None
+    for r in (r0, r1):
+        assert any("'step' differs between parameters flattened together" in w for w in r["warnings"]), r
