@@ -212,8 +212,15 @@ def gather_full_optim_state_dict(
         param_groups.append(saved)
     names = [s.name for group in ordered for s in group]
     # other top-level keys of the optimizer's state dict (a wrapper's loss scale, say) are kept
-    extras = {k: copy.deepcopy(v) for k, v in optim.state_dict().items() if k not in ("state", "param_groups")}
-    return {**extras, "state": dict(sorted(state.items())), "param_groups": param_groups, "param_names": names}
+    extras = {
+        k: copy.deepcopy(v) for k, v in optim.state_dict().items() if k not in ("state", "param_groups")
+    }
+    return {
+        **extras,
+        "state": dict(sorted(state.items())),
+        "param_groups": param_groups,
+        "param_names": names,
+    }
 
 
 def _elementwise_keys(per_param: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -258,7 +265,9 @@ def _combine(
                     parts.append(value.detach().reshape(-1).cpu())
             out[key] = torch.cat(parts).to(sample.dtype)
         else:
-            differ = [s.name for s, v in zip(slots, values, strict=True) if v is not None and not _same(v, sample)]
+            differ = [
+                s.name for s, v in zip(slots, values, strict=True) if v is not None and not _same(v, sample)
+            ]
             if differ:
                 warnings.warn(
                     f"optimizer state {key!r} differs between parameters flattened together ({differ} differ from "
@@ -294,7 +303,11 @@ def _one_rank_singletons(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
     """fairscale keeps 0-dim state as a list with one tensor per saving rank; take this rank's (or the first)."""
     out = dict(entry)
     for key, value in entry.items():
-        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in value):
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in value)
+        ):
             out[key] = value[rank] if rank < len(value) else value[0]
     return out
 
