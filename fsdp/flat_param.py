@@ -175,23 +175,23 @@ def collect_owned(
     owned: list[tuple[str, nn.Parameter]] = []
     module_of: dict[str, nn.Module] = {}
     inner: list[tuple[str, Any]] = []
-
-    def visit(m: nn.Module, prefix: str) -> None:
+    if is_wrapper(module):  # FSDP(FSDP(m)): the inner wrapper owns everything
+        return owned, {"": module}, [("", module)]
+    # an explicit stack, not a recursive closure: a closure referring to itself is a reference
+    # cycle that would keep ``owned`` (a deferred-init unit's full parameters) alive until the
+    # garbage collector runs
+    stack: list[tuple[nn.Module, str]] = [(module, "")]
+    while stack:
+        m, prefix = stack.pop()
+        if m is not module and is_wrapper(m):
+            inner.append((prefix[:-1], m))
+            continue
         module_of[prefix.rstrip(".")] = m
         for name, p in m._parameters.items():
             if p is not None:
                 owned.append((prefix + name, p))
-        for name, child in m._modules.items():
-            if child is None:
-                continue
-            if is_wrapper(child):
-                inner.append((prefix + name, child))
-            else:
-                visit(child, prefix + name + ".")
-
-    if is_wrapper(module):  # FSDP(FSDP(m)): the inner wrapper owns everything
-        return owned, {"": module}, [("", module)]
-    visit(module, "")
+        children = [(c, prefix + name + ".") for name, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))  # depth first, in module order
     return owned, module_of, inner
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,18 +100,37 @@ def _sharded_on_creation() -> dict[str, object]:
         model = _Big()
     total = sum(p.numel() for p in model.parameters())
     real_during: list[int] = []
+    materialized: list[weakref.ref[torch.Tensor]] = []
+    alive_during: list[int] = []
+
+    def init(module: nn.Module) -> None:
+        _init(module)
+        materialized.extend(weakref.ref(p) for p in module.parameters(recurse=False))
 
     def make(block: nn.Module) -> FSDP:
-        wrapped = FSDP(block, param_init_fn=_init)
+        wrapped = FSDP(block, param_init_fn=init)
         # after each unit: only shards of the units built so far are real, everything else is meta
         real_during.append(sum(p.numel() for p in model.parameters() if not p.is_meta))
+        # and the unit's full parameters are gone at once, not when the garbage collector runs
+        alive_during.append(sum(r() is not None for r in materialized))
         return wrapped
 
-    for i in range(len(model.blocks)):
-        model.blocks[i] = make(model.blocks[i])
+    gc.disable()
+    try:
+        for i in range(len(model.blocks)):
+            model.blocks[i] = make(model.blocks[i])
+    finally:
+        gc.enable()
     root = FSDP(model, param_init_fn=_init)
     local = sum(p.numel() for p in root.parameters())
-    return {"total": total, "local": local, "world": world, "real_during": real_during}
+    return {
+        "total": total,
+        "local": local,
+        "world": world,
+        "real_during": real_during,
+        "alive_during": alive_during,
+        "materialized": len(materialized),
+    }
 
 
 @pytest.mark.parametrize("pool", [2, 4], indirect=True)
@@ -119,6 +141,7 @@ def test_no_rank_materializes_more_than_its_shards(pool: RankPool) -> None:
         assert r["local"] <= r["total"] / n + 8 * n, "each rank keeps 1/N of every unit"
         for k, real in enumerate(r["real_during"], start=1):
             assert real <= k * (-(-unit // n)), f"after {k} units only their shards are real: {real}"
+        assert r["materialized"] > 0 and r["alive_during"] == [0] * len(r["real_during"]), r["alive_during"]
 
 
 def _errors() -> list[str]:
