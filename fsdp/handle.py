@@ -366,8 +366,13 @@ class FlatParamHandle:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
         assert self.state is MemoryState.UNSHARDED
         if not self.aliased:
+            chunk = self._active[self.spec.start : self.spec.end]
             with torch.no_grad():
-                self._shard.copy_(self._active[self.spec.start : self.spec.end])
+                # an unchanged chunk is not written: the write would bump the flat parameter's version,
+                # which a pending backward (a summon between forward and backward) refuses
+                if chunk.device == self._shard.device and torch.equal(chunk, self._shard):
+                    return
+                self._shard.copy_(chunk)
             self._full_valid = False  # the shard changed under the compute buffer's feet
 
     # ------------------------------------------------------------------ module attributes

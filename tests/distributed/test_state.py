@@ -358,6 +358,12 @@ def _summon() -> dict[str, object]:
     with model.summon_full_params(recurse=False):
         inner_sharded = model.module.mix.handles[0].state is MemoryState.SHARDED
         root_full = model.handles[0].state is MemoryState.UNSHARDED
+    # a summon that only reads, between forward and backward, leaves the backward intact
+    idx = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+    loss = model(idx).pow(2).mean()
+    with model.summon_full_params():
+        model.module.mix.module.weight.sum()
+    loss.backward()
     return {
         "named": named,
         "states": {s.name for s in states},
@@ -370,6 +376,7 @@ def _summon() -> dict[str, object]:
         == [tuple(p.shape) for p in flat_before],
         "inner_sharded": inner_sharded,
         "root_full": root_full,
+        "grads": all(p.grad is not None for p in model.parameters()),
     }
 
 
@@ -388,6 +395,7 @@ def test_summon_full_params(pool: RankPool) -> None:
         assert r["tied_same"], "tied parameters are one tensor in the state dict, as in a plain module"
         assert r["bias_kept"], "volatile summon discards writes"
         assert r["flat_shapes_back"] and r["inner_sharded"] and r["root_full"]
+        assert r["grads"], "a read-only summon between forward and backward keeps the backward intact"
         # each rank wrote rank+1 into its view: its own chunk of the flat parameter is what persists
         w = r["mix_weight"].reshape(-1)
         chunk = -(-42 // n)  # mix: 36 weight + 6 bias elements
