@@ -179,6 +179,18 @@ class DistributedDataParallel(nn.Module):
                 DeprecationWarning,
                 stacklevel=2,
             )
+        sharded = [
+            name or "<root>"
+            for name, m in module.named_modules()
+            if any(c.__name__ in ("FullyShardedDataParallel", "FSDPModule") for c in type(m).__mro__)
+        ]
+        if sharded:
+            raise ValueError(
+                f"DistributedDataParallel: the module holds sharded (FullyShardedDataParallel) parts at {sharded[:3]}; "
+                "their parameters are per-rank shards that must not be broadcast or averaged across ranks. To "
+                "replicate and shard at once use FullyShardedDataParallel(sharding_strategy=HYBRID_SHARD), or "
+                "NO_SHARD to replicate only"
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call torch.distributed.init_process_group first"

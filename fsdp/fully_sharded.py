@@ -770,11 +770,16 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         ctx = self._ctx
         assert ctx is not None
         self.assert_state(TrainingState.IDLE)
+        if not ctx.sync:
+            raise RuntimeError(
+                "FullyShardedDataParallel: clip_grad_norm_() inside no_sync(): the accumulated gradients are not "
+                "reduced yet, so there is nothing to clip; call it after the backward outside no_sync()"
+            )
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
         return clip_grad_norm_(handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats)
 
     def _require_root(self, what: str) -> None:
-        if self._is_root is None:
+        if self._is_root is None and not self._inside_another:
             self._lazy_init()
         if not self._is_root:
             raise RuntimeError(

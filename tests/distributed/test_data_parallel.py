@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fsdp.collectives
 from fsdp import DistributedDataParallel as DDP
+from fsdp import FullyShardedDataParallel as FSDP
 from fsdp.buckets import MissingGradientError
 from fsdp.collectives import CollectiveKind
 from tests.rank_pool import RankPool
@@ -679,6 +680,7 @@ def _construction() -> dict[str, Any]:
         ),
         "different_model": _expect(ValueError, DDP, nn.Linear(2, 2 + (rank == 1))),
         "frozen": _expect(ValueError, DDP, nn.Linear(2, 2).requires_grad_(False)),
+        "of_fsdp": _expect(ValueError, DDP, nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2))),
         "frozen_on_one_rank": _expect(ValueError, DDP, nn.Linear(2, 2).requires_grad_(rank != 1)),
     }
     return {
@@ -701,6 +703,7 @@ def test_construction_broadcasts_and_validates(pool: RankPool) -> None:
         assert "not parameters of the wrapped module" in r["errors"]["foreign_trigger"]
         assert "rank(s) [1] wrap a different model" in r["errors"]["different_model"]
         assert "no parameter that requires a gradient" in r["errors"]["frozen"]
+        assert "sharded (FullyShardedDataParallel) parts at ['0']" in r["errors"]["of_fsdp"]
         assert "rank(s) [1] wrap a different model" in r["errors"]["frozen_on_one_rank"]
         assert r["keys"][0] == "module.0.weight", "state dict keys carry the 'module.' prefix like torch DDP"
 

@@ -34,9 +34,16 @@ def _no_sync(strategy: str, micro: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = build("nested")
     model = wrap(copy.deepcopy(ref), ("body", "inp"), sharding_strategy=ShardingStrategy[strategy])
+    early_inner = ""
+    try:  # an inner wrapper, before the first forward: it must not make itself a root
+        with model.module.body.no_sync():
+            pass
+    except RuntimeError as e:
+        early_inner = str(e)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     per_step: list[dict[str, int]] = []
+    clip_inside = ""
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         batches = [torch.randn(2 * world, 6, generator=g) for _ in range(micro)]
@@ -45,6 +52,10 @@ def _no_sync(strategy: str, micro: int) -> dict[str, Any]:
                 model.reset_comm_stats()
                 model(b[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
                 per_step.append({k: v["calls"] for k, v in model.comm_stats().items()})
+            try:
+                model.clip_grad_norm_(1.0)
+            except RuntimeError as e:
+                clip_inside = str(e)
         model.reset_comm_stats()
         model(batches[-1][2 * rank : 2 * rank + 2]).pow(2).mean().backward()
         per_step.append({k: v["calls"] for k, v in model.comm_stats().items()})
@@ -63,7 +74,14 @@ def _no_sync(strategy: str, micro: int) -> dict[str, Any]:
             pass
     except RuntimeError as e:
         inner_error = str(e)
-    return {"grad": grad_err, "param": param_err, "calls": per_step, "inner": inner_error}
+    return {
+        "grad": grad_err,
+        "param": param_err,
+        "calls": per_step,
+        "inner": inner_error,
+        "early_inner": early_inner,
+        "clip_inside": clip_inside,
+    }
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
@@ -72,7 +90,8 @@ def test_no_sync_accumulates_without_communication(pool: RankPool, strategy: str
     micro = 3
     for r in pool.run(_no_sync, strategy, micro):
         assert r["grad"] <= TOL and r["param"] <= TOL, r
-        assert "must be called on the root" in r["inner"]
+        assert "must be called on the root" in r["inner"] and "must be called on the root" in r["early_inner"]
+        assert "clip_grad_norm_() inside no_sync()" in r["clip_inside"]
         calls = r["calls"]
         for step in (0, 1):
             first, second, synced = calls[step * micro : (step + 1) * micro]
