@@ -19,12 +19,14 @@ views of the flat parameter while it is unsharded (forward, backward) and, insid
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp.deferred_init import materialize_if_meta_
 
@@ -32,9 +34,12 @@ __all__ = [
     "FlatParamMeta",
     "ParamInfo",
     "SharedParamInfo",
+    "check_no_parameters_added",
     "check_not_owned_by_inner",
+    "claim_modules",
     "collect_owned",
     "group_params",
+    "mark_flattened",
     "own_parameters",
     "set_module_tensor",
     "unflatten_views",
@@ -195,6 +200,25 @@ def collect_owned(
     return owned, module_of, inner
 
 
+def check_no_parameters_added(module: nn.Module, is_wrapper: Callable[[nn.Module], bool], where: str) -> None:
+    """Between wrapping and the first forward a wrapper's modules hold no parameters of their own
+    (its flat parameters replace them): one found there was added after wrapping, and would train
+    on this rank's gradients alone."""
+    stack: list[tuple[nn.Module, str]] = [(module, "")]
+    while stack:
+        m, prefix = stack.pop()
+        if is_wrapper(m):
+            continue
+        added = [prefix + n for n, p in m._parameters.items() if p is not None]
+        if added:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: parameter(s) {added} inside the wrapper at {where!r} were added after "
+                "wrapping (a replaced layer, or register_parameter on a wrapped module); no wrapper shards or "
+                "reduces them. Change the model before wrapping it"
+            )
+        stack.extend((c, f"{prefix}{n}.") for n, c in m._modules.items() if c is not None)
+
+
 def check_not_owned_by_inner(
     owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]], others: Iterable[Any] = ()
 ) -> None:
@@ -214,6 +238,59 @@ def check_not_owned_by_inner(
                 )
 
 
+# module -> weak reference to the live wrapper that flattened its parameters
+_FLATTENED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+
+
+def claim_modules(wrapper: Any, modules: Iterable[nn.Module]) -> None:
+    """Record that ``wrapper`` flattened the parameters of ``modules`` (see :func:`own_parameters`)."""
+    ref = weakref.ref(wrapper)
+    for m in modules:
+        _FLATTENED_BY[m] = ref
+
+
+# [Note: optimizers over flattened parameters]
+# An optimizer built before wrapping holds the original parameters, which never get a gradient
+# again: torch optimizers skip them silently, and training does nothing. The originals are marked
+# when a wrapper flattens them, and one global step pre-hook refuses an optimizer holding one. It
+# scans an optimizer's parameters only when their count changed since its last scan.
+_FLATTENED_AS = "_fsdp_flattened_as"
+_SCANNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_HOOK: list[Any] = []
+
+
+def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _SCANNED.get(optimizer) == len(params):
+        return
+    stale = [getattr(p, _FLATTENED_AS) for p in params if hasattr(p, _FLATTENED_AS)]
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel flattened (e.g. {stale[:3]}); "
+            "they never get a gradient again. Build the optimizer after wrapping, from the wrapper's parameters()"
+        )
+    _SCANNED[optimizer] = len(params)
+
+
+def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """Mark the original parameters a wrapper flattened. See [Note: optimizers over flattened parameters]."""
+    for fqn, p in owned:
+        setattr(p, _FLATTENED_AS, fqn)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+
+
+def _check_not_wrapped_already(module_of: dict[str, nn.Module]) -> None:
+    for name, m in module_of.items():
+        ref = _FLATTENED_BY.get(m)
+        if ref is not None and ref() is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel: module {name or '<the wrapped module>'!r} ({type(m).__name__}) is already "
+                "wrapped by another FullyShardedDataParallel, which holds its parameters; wrap each module once "
+                "(nest wrappers by wrapping the outer module around the inner wrapper, or build the model again)"
+            )
+
+
 def own_parameters(
     module: nn.Module,
     is_wrapper: Callable[[nn.Module], bool],
@@ -230,6 +307,7 @@ def own_parameters(
     the live wrappers) and after materializing a unit built on the meta device on ``device``. Also
     returns the meta parameters that materialization replaced (empty if none)."""
     owned, module_of, inner = collect_owned(module, is_wrapper)
+    _check_not_wrapped_already(module_of)
     check_not_owned_by_inner(owned, inner, others)
     replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
     if replaced:

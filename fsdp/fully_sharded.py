@@ -56,7 +56,14 @@ from fsdp.consistency import (
     check_same_wrappers_on_all_ranks,
     wrapper_path,
 )
-from fsdp.flat_param import collect_owned, group_params, own_parameters
+from fsdp.flat_param import (
+    check_no_parameters_added,
+    claim_modules,
+    collect_owned,
+    group_params,
+    mark_flattened,
+    own_parameters,
+)
 from fsdp.handle import (
     FlatParamHandle,
     clip_grad_norm_,
@@ -271,6 +278,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             w._inside_another = True  # (before any forward: checkpoints refuse an inner wrapper)
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
+        claim_modules(self, self._module_param_order)
         stats = CommStats()
         self.handles = []
         for entries, shared in group_params(owned, flatten_parameters):
@@ -287,6 +295,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
+        mark_flattened(owned)
         self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
         self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
@@ -382,6 +391,13 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                     f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} already ran a forward as "
                     "a root of its own. A wrapper nested in another must only run inside the outer wrapper's "
                     "forward: call forward on the outermost wrapper only (or do not nest it)"
+                )
+        for w in wrappers:
+            if w.training_state is TrainingState.IDLE:  # (a summon shows the full parameters as such)
+                check_no_parameters_added(
+                    w.module,
+                    lambda m: isinstance(m, FullyShardedDataParallel),
+                    wrapper_path(self, w) or "<root>",
                 )
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)

@@ -297,3 +297,41 @@ def test_a_wrapper_around_a_wrapper_leaves_the_buffers_to_the_inner_one(single_r
     inner = FSDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     FSDP(inner, mixed_precision=True)  # the outer wrapper's buffer dtype is not the inner one's
     assert inner.module[1].running_mean.dtype == torch.float32
+
+
+def test_a_module_wrapped_twice_is_refused(single_rank_group: None) -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    first = FSDP(m)
+    with pytest.raises(
+        ValueError, match="'0' \\(Linear\\) is already wrapped by another FullyShardedDataParallel"
+    ):
+        FSDP(m)  # it owned nothing, and its forward failed on meta placeholders
+    with pytest.raises(ValueError, match="already wrapped"):
+        FSDP(m[2])
+    assert isinstance(FSDP(first).module, FSDP), "a wrapper around the wrapper stays allowed"
+
+
+def test_parameters_added_after_wrapping_are_refused_at_the_first_forward(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
+    model.module[1] = nn.Linear(2, 3)  # a replaced head: its parameters would train unreduced
+    with pytest.raises(
+        RuntimeError, match="\\['1.weight', '1.bias'\\] inside the wrapper at '<root>' were added"
+    ):
+        model(torch.ones(1, 2))
+
+
+def test_an_optimizer_built_before_wrapping_is_refused_at_its_step(single_rank_group: None) -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    early = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = FSDP(net)
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(
+        RuntimeError, match="SGD holds parameters that FullyShardedDataParallel flattened.*0.weight"
+    ):
+        early.step()  # the originals never get a gradient: it would do nothing, silently
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    late.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "the right optimizer steps"
+    unrelated = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    unrelated.step()  # other optimizers in the process are untouched
