@@ -466,6 +466,7 @@ def main() -> None:
             f"loss: start {curve['train'][0]:.4f} -> end {curve['train'][-1]:.4f} (val {curve['val'][-1]:.4f})"
         )
 
+    dist.barrier()  # every rank is done with its collectives before the group is torn down
     dist.destroy_process_group()
 
 

@@ -315,7 +315,7 @@ def test_parameters_added_after_wrapping_are_refused_at_the_first_forward(single
     model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
     model.module[1] = nn.Linear(2, 3)  # a replaced head: its parameters would train unreduced
     with pytest.raises(
-        RuntimeError, match="\\['1.weight', '1.bias'\\] inside the wrapper at '<root>' were added"
+        RuntimeError, match=r"\['1.weight', '1.bias'\] inside the wrapper at '<root>' were added"
     ):
         model(torch.ones(1, 2))
 
@@ -326,7 +326,7 @@ def test_an_optimizer_built_before_wrapping_is_refused_at_its_step(single_rank_g
     model = FSDP(net)
     model(torch.ones(1, 2)).sum().backward()
     with pytest.raises(
-        RuntimeError, match="SGD holds parameters that FullyShardedDataParallel flattened.*0.weight"
+        RuntimeError, match=r"SGD holds parameters that FullyShardedDataParallel flattened.*0\.weight"
     ):
         early.step()  # the originals never get a gradient: it would do nothing, silently
     late = torch.optim.SGD(model.parameters(), lr=0.1)
