@@ -260,16 +260,17 @@ _HOOK: list[Any] = []
 
 
 def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _SCANNED.get(optimizer) == len(params):
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _SCANNED.get(optimizer) == count:
         return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     stale = [getattr(p, _FLATTENED_AS) for p in params if hasattr(p, _FLATTENED_AS)]
     if stale:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel flattened (e.g. {stale[:3]}); "
             "they never get a gradient again. Build the optimizer after wrapping, from the wrapper's parameters()"
         )
-    _SCANNED[optimizer] = len(params)
+    _SCANNED[optimizer] = count
 
 
 def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:

@@ -278,7 +278,6 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             w._inside_another = True  # (before any forward: checkpoints refuse an inner wrapper)
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
-        claim_modules(self, self._module_param_order)
         stats = CommStats()
         self.handles = []
         for entries, shared in group_params(owned, flatten_parameters):
@@ -296,6 +295,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
         mark_flattened(owned)
+        claim_modules(self, self._module_param_order)
         self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
         self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
