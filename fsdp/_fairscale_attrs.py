@@ -57,6 +57,27 @@ class FairscaleAttributes:
     training_state: TrainingState
     _reshard_after_forward: bool
     _wrappers: Callable[[], list[Any]]
+    _is_root: bool | None
+
+    def extra_repr(self) -> str:
+        sharding = self.fsdp_config.sharding
+        numel = sum(h.meta.numel for h in self.handles)
+        local = sum(h.spec.chunk for h in self.handles)
+        text = (
+            f"world_size={self.world_size}, rank={self.rank}, flatten_parameters={sharding.flatten_parameters}, "
+            f"reshard_after_forward={sharding.reshard_after_forward}, flat_params={len(self.handles)}, "
+            f"numel={numel}, local_numel={local}"
+        )
+        if self.fsdp_config.verbose:
+            text += (
+                f", is_root={self._is_root}, training_state={self.training_state.name}, "
+                f"disable_reshard_on_root={sharding.disable_reshard_on_root}, "
+                f"compute_device={self.compute_device}, bucket_cap_mb={self.fsdp_config.comm.bucket_cap_mb}, "
+                f"gradient_predivide_factor={self.fsdp_config.comm.gradient_predivide_factor}, "
+                f"state_dict_device={self.fsdp_config.state_dict.state_dict_device}, "
+                f"state_dict_on_rank_0_only={self.fsdp_config.state_dict.state_dict_on_rank_0_only}"
+            )
+        return text
 
     @property
     def world_size(self) -> int:
