@@ -39,6 +39,8 @@ __all__ = [
     "claim_modules",
     "collect_owned",
     "group_params",
+    "is_placeholder",
+    "make_placeholder",
     "mark_flattened",
     "own_parameters",
     "set_module_tensor",
@@ -152,6 +154,76 @@ def unflatten_views(
         hook = before_concat
         node.register_prehook(lambda grad_outputs: hook())
     return [part.view(p.shape) for part, p in zip(parts, meta.params)]
+
+
+# [Note: sharded placeholders]
+# While its unit is sharded, an original parameter's module attribute (``layer.weight``) is a
+# meta-device stand-in of the original shape, dtype and requires_grad. Metadata reads work; any
+# operation on values raises, naming the parameter: without this, ``nn.init.zeros_(layer.weight)``
+# or ``layer.weight.requires_grad_(False)`` between steps, or calling an inner module directly,
+# would act on the stand-in and be ignored silently.
+_METADATA_ATTRS = frozenset(
+    {"shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "layout", "grad", "grad_fn", "is_leaf"}
+    | {"is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "names", "itemsize", "nbytes"}
+)
+_METADATA_METHODS = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.element_size,
+    }
+    | {
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.stride,
+        torch.Tensor.is_contiguous,
+    }
+    | {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__len__, torch.Tensor.__hash__}
+    | {torch.Tensor.get_device}
+)
+
+
+class _ShardedPlaceholder(torch.Tensor):
+    """See [Note: sharded placeholders]."""
+
+    _fsdp_name: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        descriptor = getattr(func, "__self__", None)
+        attr = getattr(descriptor, "__name__", None) if func.__name__ in ("__get__", "__set__") else None
+        if func in _METADATA_METHODS or (func.__name__ == "__get__" and attr in _METADATA_ATTRS):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        name = next((a._fsdp_name for a in args if isinstance(a, _ShardedPlaceholder)), "a parameter")
+        if func.__name__ in ("__deepcopy__", "__reduce_ex__", "__setstate__"):
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a wrapped module cannot be deep-copied or pickled ({name!r} is "
+                "sharded). Copy the module before wrapping it, or save and load model.state_dict()"
+            )
+        what = {"__set__": f"setting .{attr}", "__get__": f"reading .{attr}"}.get(
+            func.__name__, f"{func.__name__}()"
+        )
+        raise RuntimeError(
+            f"FullyShardedDataParallel: {what} on {name!r}, which is sharded: outside the wrapper's forward and "
+            "backward a wrapped module's parameters are meta-device stand-ins with no values, and the operation "
+            "would be ignored. Read or change full parameters inside `with model.summon_full_params():`; freeze "
+            "or initialize parameters before wrapping; call the wrapper, not its inner module (`model.module(x)`)"
+        )
+
+
+def make_placeholder(name: str, shape: torch.Size, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
+    """A stand-in for the sharded parameter ``name``. See [Note: sharded placeholders]."""
+    data = torch.empty(shape, dtype=dtype, device="meta")
+    placeholder = torch.Tensor._make_subclass(_ShardedPlaceholder, data, requires_grad)
+    placeholder._fsdp_name = name
+    return placeholder
+
+
+def is_placeholder(value: Any) -> bool:
+    return isinstance(value, _ShardedPlaceholder)
 
 
 def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_parameter: bool) -> None:

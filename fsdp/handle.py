@@ -82,7 +82,9 @@ from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_
 from fsdp.flat_param import (
     FlatParamMeta,
     _Entry,
+    is_placeholder,
     make_meta,
+    make_placeholder,
     set_module_tensor,
     unflatten_views,
 )
@@ -137,6 +139,7 @@ class FlatParamHandle:
     _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
     _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
+    _placeholders_set: bool  # the modules' attributes are the stand-ins now
     reduced_this_backward: bool
 
     def __init__(
@@ -202,7 +205,8 @@ class FlatParamHandle:
         self._bucketed = False
         self.reduced_this_backward = False
         self._placeholders = [
-            torch.empty(info.shape, dtype=self.meta.dtype, device="meta") for info in self.meta.params
+            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.meta.requires_grad)
+            for info in self.meta.params
         ]
         self.remove_module_tensors()
 
@@ -385,6 +389,9 @@ class FlatParamHandle:
         the flat gradient (see [Note: finishing reductions early]).
         """
         assert self.state is MemoryState.UNSHARDED
+        if self._placeholders_set:
+            self._check_placeholders()
+            self._placeholders_set = False
         source = self._active if as_parameters else self.flat_param
         views = unflatten_views(source, self.meta, before_concat)
         for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
@@ -400,8 +407,26 @@ class FlatParamHandle:
                 as_parameters,
             )
 
+    def _check_placeholders(self) -> None:
+        """Refuse a module attribute replaced while sharded (``layer.weight = nn.Parameter(...)``): the
+        flat parameter holds the values, and the replacement would be dropped silently."""
+        pairs = [
+            (info.fqn, info.param_name, m) for info, m in zip(self.meta.params, self.modules, strict=True)
+        ]
+        pairs += [
+            (s.fqn, s.param_name, m) for s, m in zip(self.meta.shared, self.shared_modules, strict=True)
+        ]
+        for fqn, name, module in pairs:
+            if not is_placeholder(module.__dict__.get(name)) or name in module._parameters:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {fqn!r} was replaced after wrapping; the wrapper's flat parameter "
+                    "holds its values and would ignore the new one. Change the model before wrapping it, or write "
+                    "new values inside `with model.summon_full_params():`"
+                )
+
     def remove_module_tensors(self) -> None:
         """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
+        self._placeholders_set = True
         for info, module, placeholder in zip(self.meta.params, self.modules, self._placeholders, strict=True):
             set_module_tensor(module, info.param_name, placeholder, as_parameter=False)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 import subprocess
 import sys
 import warnings
@@ -335,3 +336,36 @@ def test_an_optimizer_built_before_wrapping_is_refused_at_its_step(single_rank_g
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "the right optimizer steps"
     unrelated = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     unrelated.step()  # other optimizers in the process are untouched
+
+
+def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata(
+    single_rank_group: None,
+) -> None:
+    model = FSDP(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+    model(torch.ones(2, 4)).sum().backward()
+    weight = model.module[0].weight
+    assert (weight.shape, weight.dtype, weight.requires_grad) == ((3, 4), torch.float32, True)
+    attempts = {
+        "zero_()": lambda: nn.init.zeros_(weight),  # would have been ignored silently
+        "requires_grad_()": lambda: weight.requires_grad_(False),
+        "setting .requires_grad": lambda: setattr(weight, "requires_grad", False),
+        "reading .data": lambda: weight.data,
+        "linear()": lambda: model.module(torch.ones(2, 4)),  # the inner module, not the wrapper
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(RuntimeError, match=rf"{re.escape(what)} on '0.weight', which is sharded"):
+            attempt()
+    with pytest.raises(RuntimeError, match="cannot be deep-copied or pickled"):
+        copy.deepcopy(model)
+    with model.summon_full_params():  # the way to write values
+        nn.init.zeros_(model.module[0].weight)
+    with model.summon_full_params():
+        assert torch.count_nonzero(model.module[0].weight) == 0
+
+
+def test_a_parameter_replaced_after_the_first_forward_is_refused(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+    model(torch.ones(2, 4))
+    model.module[2].bias = nn.Parameter(torch.zeros(2))  # the flat parameter would ignore it
+    with pytest.raises(RuntimeError, match=r"'2\.bias' was replaced after wrapping"):
+        model(torch.ones(2, 4))
