@@ -19,8 +19,9 @@ views of the flat parameter while it is unsharded (forward, backward) and, insid
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "own_parameters",
     "set_module_tensor",
     "unflatten_views",
+    "unsynced",
 ]
 
 
@@ -331,7 +333,19 @@ _SCANNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKe
 _HOOK: list[Any] = []
 
 
+# flat parameters of the roots now inside no_sync(), by root; empty nearly always
+_UNSYNCED: dict[int, frozenset[int]] = {}
+
+
 def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _UNSYNCED:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(held & flat for flat in _UNSYNCED.values()):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() inside FullyShardedDataParallel.no_sync(): the gradients "
+                "accumulated there are not reduced yet and not in .grad, so the step would use stale ones. Step "
+                "after the backward outside no_sync()"
+            )
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _SCANNED.get(optimizer) == count:
         return
@@ -351,6 +365,23 @@ def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:
         setattr(p, _FLATTENED_AS, fqn)
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+
+
+@contextlib.contextmanager
+def unsynced(root: Any, flat_params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """While inside, an optimizer step over ``flat_params`` is refused (``root.no_sync()``)."""
+    key = id(root)
+    previous = _UNSYNCED.get(key)
+    _UNSYNCED[key] = frozenset(id(p) for p in flat_params)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _UNSYNCED[key]
+        else:
+            _UNSYNCED[key] = previous
 
 
 def _check_not_wrapped_already(module_of: dict[str, nn.Module]) -> None:

@@ -63,6 +63,7 @@ from fsdp.flat_param import (
     group_params,
     mark_flattened,
     own_parameters,
+    unsynced,
 )
 from fsdp.handle import (
     FlatParamHandle,
@@ -751,7 +752,8 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             w.assert_state(TrainingState.IDLE)
         previous, ctx.sync = ctx.sync, False
         try:
-            yield
+            with unsynced(self, (h.flat_param for w in ctx.wrappers for h in w.handles)):
+                yield
         finally:
             ctx.sync = previous
 

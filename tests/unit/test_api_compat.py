@@ -369,3 +369,16 @@ def test_a_parameter_replaced_after_the_first_forward_is_refused(single_rank_gro
     model.module[2].bias = nn.Parameter(torch.zeros(2))  # the flat parameter would ignore it
     with pytest.raises(RuntimeError, match=r"'2\.bias' was replaced after wrapping"):
         model(torch.ones(2, 4))
+
+
+def test_an_optimizer_step_inside_no_sync_is_refused(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with model.no_sync():
+        model(torch.ones(1, 2)).sum().backward()
+        other.step()  # an optimizer over other parameters is not concerned
+        with pytest.raises(RuntimeError, match=r"SGD\.step\(\) inside FullyShardedDataParallel\.no_sync\(\)"):
+            opt.step()  # the accumulated gradients are not reduced yet, nor in .grad
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
