@@ -8,6 +8,7 @@ from fsdp.checkpoint import checkpoint_wrapper
 from fsdp.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.data_parallel import DistributedDataParallel
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
+from fsdp.norm_wrap import auto_wrap_bn
 from fsdp.offload_model import OffloadModel
 from fsdp.sharded_grad_scaler import ShardedGradScaler
 from fsdp.wrap import (
@@ -31,6 +32,7 @@ __all__ = [
     "ShardingStrategy",
     "TrainingState",
     "auto_wrap",
+    "auto_wrap_bn",
     "checkpoint_wrapper",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",
