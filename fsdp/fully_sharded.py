@@ -360,6 +360,22 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     def _wrappers(self) -> list[FullyShardedDataParallel]:
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FullyShardedDataParallel:
+        """``.half()``, ``.to()``, ``.cuda()`` after wrapping: refused, before anything changes, when
+        they would change a flat parameter's dtype or device (shards, casts and copies were set up
+        for those at construction); allowed when they change nothing."""
+        for w in self._wrappers():
+            for h in w.handles:
+                probe = fn(h.flat_param.detach())
+                if (probe.dtype, probe.device) != (h.flat_param.dtype, h.flat_param.device):
+                    raise RuntimeError(
+                        f"FullyShardedDataParallel: .half() / .to() / .cuda() after wrapping would make the flat "
+                        f"parameters {probe.dtype} on {probe.device} (they are {h.flat_param.dtype} on "
+                        f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
+                        "/ compute_dtype / compute_device"
+                    )
+        return super()._apply(fn, recurse)
+
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
         """On the first forward of the outermost wrapper: become root, share one context, check ranks."""

@@ -382,3 +382,16 @@ def test_an_optimizer_step_inside_no_sync_is_refused(single_rank_group: None) ->
             opt.step()  # the accumulated gradients are not reduced yet, nor in .grad
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
+
+
+def test_casting_or_moving_after_wrapping_is_refused_before_anything_changes(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.BatchNorm1d(2), nn.Linear(2, 1)))
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.bfloat16()):
+        with pytest.raises(
+            RuntimeError, match=r"after wrapping would make the flat parameters torch\.\w+ on cpu"
+        ):
+            cast(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.module[1].running_mean.dtype == torch.float32, "no buffer was cast either"
+    assert model.cpu().float().to("cpu") is model  # calls that change nothing stay allowed
+    model(torch.ones(3, 2)).sum().backward()
