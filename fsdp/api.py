@@ -228,6 +228,15 @@ class OffloadConfig:
     params_to_cpu: bool = False
     grads_to_cpu: bool = False
 
+    @classmethod
+    def from_flags(cls, move_params_to_cpu: Any, cpu_offload: Any, move_grads_to_cpu: Any) -> OffloadConfig:
+        """fairscale's flags: ``cpu_offload`` is an older name of ``move_params_to_cpu``; ``None`` for
+        ``move_grads_to_cpu`` follows them."""
+        _check_bool("move_params_to_cpu", move_params_to_cpu)
+        _check_bool("cpu_offload", cpu_offload)
+        params = move_params_to_cpu or cpu_offload
+        return cls(params, params if move_grads_to_cpu is None else move_grads_to_cpu)
+
     def __post_init__(self) -> None:
         _check_bool("move_params_to_cpu", self.params_to_cpu)
         _check_bool("move_grads_to_cpu", self.grads_to_cpu)

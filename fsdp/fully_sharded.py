@@ -76,6 +76,7 @@ from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precis
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
 from fsdp.topology import (
+    checked_device,
     choose_compute_device,
     materialize_device,
     reduce_scatter_group,
@@ -206,10 +207,10 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                 "FullyShardedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
             )
-        params_to_cpu = bool(move_params_to_cpu or cpu_offload)
-        offload = OffloadConfig(
-            params_to_cpu, params_to_cpu if move_grads_to_cpu is None else move_grads_to_cpu
-        )
+        offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
+        params_to_cpu = offload.params_to_cpu
+        compute_device = checked_device(compute_device, "compute_device")
+        state_dict_device = checked_device(state_dict_device, "state_dict_device")
         strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
         groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
@@ -252,7 +253,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                 dist.get_rank(groups.dp),
             ),
             state_dict=StateDictConfig(
-                torch.device(state_dict_device) if state_dict_device is not None else None,
+                state_dict_device,
                 state_dict_on_rank_0_only,
             ),
             compute_device=target,
@@ -360,7 +361,9 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     def _wrappers(self) -> list[FullyShardedDataParallel]:
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FullyShardedDataParallel:
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> FullyShardedDataParallel:
         """``.half()``, ``.to()``, ``.cuda()`` after wrapping: refused, before anything changes, when
         they would change a flat parameter's dtype or device (shards, casts and copies were set up
         for those at construction); allowed when they change nothing."""
@@ -374,7 +377,8 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                         f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
                         "/ compute_dtype / compute_device"
                     )
-        return super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        return self
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._device import default_compute_device
+from fsdp._device import default_compute_device, device_available
 from fsdp.api import ProcessGroupName, ShardingStrategy
 from fsdp.collectives import get_process_group_cached, hybrid_groups
 
@@ -23,6 +23,7 @@ __all__ = [
     "ProcessGroups",
     "backend_has_cuda",
     "backend_is_cuda_only",
+    "checked_device",
     "choose_compute_device",
     "materialize_device",
     "reduce_scatter_group",
@@ -71,6 +72,29 @@ def backend_is_cuda_only(group: Any) -> bool:
 def backend_has_cuda(group: Any) -> bool:
     """Whether ``group`` has a CUDA backend (NCCL), alone or beside a CPU one."""
     return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def checked_device(value: Any, name: str) -> torch.device | None:
+    """``value`` (a device, a string such as ``"cuda:1"``, or None) as a device this process can use."""
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as e:
+        raise TypeError(
+            f"FullyShardedDataParallel: `{name}` must be a torch.device or a string, got {value!r}"
+        ) from e
+    if device.type == "meta":
+        raise ValueError(
+            f"FullyShardedDataParallel: `{name}` cannot be the meta device (it holds no values); give a real one, "
+            "or leave it unset. A model built on the meta device is materialized on the compute device"
+        )
+    if not device_available(device):
+        raise ValueError(
+            f"FullyShardedDataParallel: `{name}`={device} is not available in this process (torch built without "
+            "CUDA, no GPU, or an index out of range); leave it unset on a CPU machine"
+        )
+    return device
 
 
 def materialize_device(compute_device: Any, params_to_cpu: bool, group: Any) -> torch.device:

@@ -131,6 +131,30 @@ def test_parameters_on_two_devices_are_refused(single_rank_group: None) -> None:
         FSDP(module)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"compute_device": "cuda:99"},
+            ValueError,
+            r"`compute_device`=cuda:99 is not available in this process",
+        ),
+        ({"state_dict_device": "cuda:99"}, ValueError, r"`state_dict_device`=cuda:99 is not available"),
+        ({"compute_device": "meta"}, ValueError, "cannot be the meta device"),
+        ({"compute_device": 3.5}, TypeError, "must be a torch.device or a string"),
+        ({"move_params_to_cpu": "yes"}, TypeError, "`move_params_to_cpu` must be a bool"),
+        ({"cpu_offload": 1}, TypeError, "`cpu_offload` must be a bool"),
+    ],
+)
+def test_devices_and_offload_flags_are_checked_at_construction(
+    single_rank_group: None, kwargs: dict, error: type, match: str
+) -> None:
+    module = nn.Linear(2, 2)
+    with pytest.raises(error, match=match):
+        FSDP(module, **kwargs)
+    assert isinstance(module.weight, nn.Parameter), "the module is left as it was"
+
+
 def test_not_a_module(single_rank_group: None) -> None:
     with pytest.raises(TypeError, match=r"wraps an nn\.Module"):
         FSDP(lambda x: x)  # type: ignore[arg-type]
