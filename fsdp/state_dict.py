@@ -576,6 +576,23 @@ def _user_code_above_a_unit(root: nn.Module, wrappers: Sequence[Any]) -> bool:
     return False
 
 
+def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """A hint when the unexpected keys are the missing ones under one extra prefix (``module.``
+    from DDP, ``_orig_mod.`` from ``torch.compile``)."""
+    wanted = set(missing)
+    prefixes = set()
+    for key in unexpected:
+        cuts = [i + 1 for i, c in enumerate(key) if c == "."]
+        prefixes.update(key[:i] for i in cuts if key[i:] in wanted)
+    if len(prefixes) != 1:
+        return ""
+    (prefix,) = prefixes
+    return (
+        f"The unexpected keys are the missing ones with the prefix {prefix!r} (a state dict saved from a wrapped "
+        f"model, such as DDP's?): load {{k.removeprefix({prefix!r}): v for k, v in state_dict.items()}}."
+    )
+
+
 def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
     to_internal = {plain_name(name): name for name, _ in root.named_modules(remove_duplicate=False)}
 
@@ -606,6 +623,9 @@ def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> Nam
     missing = [plain_name(k) for k in result.missing_keys]
     unexpected = [plain_name(k) for k in result.unexpected_keys]
     if strict:
+        hint = _prefix_hint(missing, unexpected)
+        if hint:
+            errors.insert(0, hint)
         if missing:
             errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
         if unexpected:

@@ -419,3 +419,11 @@ def test_casting_or_moving_after_wrapping_is_refused_before_anything_changes(sin
     assert model.module[1].running_mean.dtype == torch.float32, "no buffer was cast either"
     assert model.cpu().float().to("cpu") is model  # calls that change nothing stay allowed
     model(torch.ones(3, 2)).sum().backward()
+
+
+def test_a_state_dict_with_an_extra_prefix_gets_a_hint(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 1)))
+    prefixed = {f"module.{k}": v for k, v in model.state_dict().items()}  # saved from a DDP-wrapped model
+    with pytest.raises(RuntimeError, match=r"missing ones with the prefix 'module\.'.*removeprefix"):
+        model.load_state_dict(prefixed)
+    model.load_state_dict({k.removeprefix("module."): v for k, v in prefixed.items()})  # the hint works
