@@ -528,36 +528,45 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         return grad
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+        # weak references: the flat parameter keeps its hooks alive, and a hook holding the wrapper
+        # would keep the wrapper (and its shards) alive for good
+        wrapper, unit = weakref.ref(self), weakref.ref(handle)
+
         def post_backward_hook(param: torch.Tensor) -> None:
-            if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-                raise RuntimeError(
-                    f"FullyShardedDataParallel: a gradient reached the parameters of {type(self.module).__name__} "
-                    f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
-                    "Compute the loss from the outputs of the FSDP forward"
-                )
-            self.training_state = TrainingState.BACKWARD_POST
-            ctx = self._ctx
-            assert ctx is not None
-            index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
-            with record_function("FSDP::post_backward"):
-                handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
-                # Finish older reductions as backward goes on, freeing their full gradients now rather
-                # than at the end of backward: at most one sent reduction stays in flight.
-                if handle.reduction_pending:
-                    ctx.in_flight.append(handle)
-                while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
-                    ctx.in_flight.popleft().finalize_gradient(asynchronous=True)
-            if not handle.aliased:
-                ctx.scheduler.freed()
-            if index is not None:
-                assert ctx.bucketer is not None
-                ctx.bucketer.grad_ready(index)
-            if all(h.reduced_this_backward for h in self.handles if h.requires_grad):
-                for h in self.handles:
-                    if not h.requires_grad:
-                        h.reshard(free_full=True)
+            w, h = wrapper(), unit()
+            if w is not None and h is not None:
+                w._post_backward(h)
 
         return post_backward_hook
+
+    def _post_backward(self, handle: FlatParamHandle) -> None:
+        if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self.module).__name__} "
+                f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
+                "Compute the loss from the outputs of the FSDP forward"
+            )
+        self.training_state = TrainingState.BACKWARD_POST
+        ctx = self._ctx
+        assert ctx is not None
+        index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
+        with record_function("FSDP::post_backward"):
+            handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            # Finish older reductions as backward goes on, freeing their full gradients now rather
+            # than at the end of backward: at most one sent reduction stays in flight.
+            if handle.reduction_pending:
+                ctx.in_flight.append(handle)
+            while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
+                ctx.in_flight.popleft().finalize_gradient(asynchronous=True)
+        if not handle.aliased:
+            ctx.scheduler.freed()
+        if index is not None:
+            assert ctx.bucketer is not None
+            ctx.bucketer.grad_ready(index)
+        if all(h.reduced_this_backward for h in self.handles if h.requires_grad):
+            for h in self.handles:
+                if not h.requires_grad:
+                    h.reshard(free_full=True)
 
     def _finalize_backward(self) -> None:
         """End-of-backward callback (queued once per backward). Runs on the root."""

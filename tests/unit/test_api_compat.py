@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import re
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -427,3 +429,16 @@ def test_a_state_dict_with_an_extra_prefix_gets_a_hint(single_rank_group: None) 
     with pytest.raises(RuntimeError, match=r"missing ones with the prefix 'module\.'.*removeprefix"):
         model.load_state_dict(prefixed)
     model.load_state_dict({k.removeprefix("module."): v for k, v in prefixed.items()})  # the hint works
+
+
+def test_a_deleted_wrapper_is_freed(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4)), nn.Linear(4, 2)))
+    model(torch.ones(2, 4)).sum().backward()
+    torch.optim.Adam(model.parameters()).step()
+    refs = [weakref.ref(w) for w in fsdp.get_fsdp_instances(model)]
+    shard = weakref.ref(model.params[0])
+    del model
+    gc.collect()
+    assert all(r() is None for r in refs) and shard() is None, (
+        "a hook kept the wrappers and their shards alive"
+    )
