@@ -110,6 +110,16 @@ def _alloc_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: NaN equals itself and -0.0 differs from 0.0 (``torch.equal`` says otherwise)."""
+    return a.dtype == b.dtype and torch.equal(
+        a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    )
+
+
 class FlatParamHandle:
     """Owns one flat parameter: shard, full buffers, gradient stash, pending reduction."""
 
@@ -374,7 +384,7 @@ class FlatParamHandle:
             with torch.no_grad():
                 # an unchanged chunk is not written: the write would bump the flat parameter's version,
                 # which a pending backward (a summon between forward and backward) refuses
-                if chunk.device == self._shard.device and torch.equal(chunk, self._shard):
+                if _same_bits(chunk.to(self._shard.device), self._shard):
                     return
                 self._shard.copy_(chunk)
             self._full_valid = False  # the shard changed under the compute buffer's feet

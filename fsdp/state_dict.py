@@ -580,7 +580,7 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     """A hint when the unexpected keys are the missing ones under one extra prefix (``module.``
     from DDP, ``_orig_mod.`` from ``torch.compile``)."""
     wanted = set(missing)
-    prefixes = set()
+    prefixes: set[str] = set()
     for key in unexpected:
         cuts = [i + 1 for i, c in enumerate(key) if c == "."]
         prefixes.update(key[:i] for i in cuts if key[i:] in wanted)

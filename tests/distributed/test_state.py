@@ -380,6 +380,29 @@ def _summon() -> dict[str, object]:
     }
 
 
+def _summon_compares_bits() -> dict[str, object]:
+    model = wrap(build("tied", seed=2), ("mix",))
+    with model.summon_full_params(), torch.no_grad():
+        model.module.mix.module.bias.zero_()
+        model.module.emb.weight[0, 0] = float("nan")  # NaN is not torch.equal to itself
+    with model.summon_full_params(), torch.no_grad():
+        model.module.mix.module.bias.neg_()  # -0.0 is torch.equal to 0.0, yet a write
+    signs = torch.signbit(model.state_dict()["mix.bias"]).tolist()
+    idx = torch.randint(1, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    loss = model(idx).pow(2).mean()
+    with model.summon_full_params():  # reads only, over a NaN
+        model.module.emb.weight.sum()
+    loss.backward()
+    return {"signs": signs, "grads": all(p.grad is not None for p in model.parameters())}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_summon_writes_back_by_bits(pool: RankPool) -> None:
+    for r in pool.run(_summon_compares_bits):
+        assert r["signs"] == [True] * 6, "a -0.0 written over 0.0 persists"
+        assert r["grads"], "a read-only summon over NaN values keeps the backward intact"
+
+
 @pytest.mark.parametrize("pool", [1, 2, 3], indirect=True)
 def test_summon_full_params(pool: RankPool) -> None:
     results = pool.run(_summon)
