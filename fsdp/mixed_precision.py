@@ -124,11 +124,22 @@ def cast_inputs(obj: Any, src: torch.dtype, dst: torch.dtype, detach: bool) -> A
         return type(obj)(*(cast_inputs(v, src, dst, detach) for v in obj))
     if isinstance(obj, tuple):
         return type(obj)(cast_inputs(v, src, dst, detach) for v in obj)
-    if isinstance(obj, (list, dict)):  # a shallow copy keeps a subclass's state (a defaultdict's factory)
-        copied = copy.copy(obj)
-        for k, v in enumerate(obj) if isinstance(obj, list) else obj.items():
-            copied[k] = cast_inputs(v, src, dst, detach)
-        return copied
+    if isinstance(obj, (list, dict)):
+        cast = [
+            (k, cast_inputs(v, src, dst, detach))
+            for k, v in (enumerate(obj) if isinstance(obj, list) else obj.items())
+        ]
+        try:  # a shallow copy keeps a subclass's state (a defaultdict's factory)
+            copied = copy.copy(obj)
+            for k, v in cast:
+                copied[k] = v
+            return copied
+        except TypeError:  # an immutable subclass (torch.fx's immutable_dict): build a new one
+            values = [v for _, v in cast] if isinstance(obj, list) else dict(cast)
+            try:
+                return type(obj)(values)
+            except TypeError:
+                return values
     return obj
 
 

@@ -414,3 +414,11 @@ def test_input_containers_keep_their_types() -> None:
     assert out[0]["x"].dtype == BF16 and out[0]["n"].dtype == torch.int64, "only floating inputs are cast"
     assert type(out[0]["b"]) is Batch and out[0]["b"].name == "b" and out[0]["b"][0].dtype == BF16
     assert out[1][0].dtype == BF16 and nested["x"].dtype == F32, "the caller's containers are not changed"
+
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    frozen = cast_inputs(immutable_dict(x=immutable_list([torch.ones(1)])), F32, BF16, detach=True)
+    assert type(frozen) is immutable_dict and type(frozen["x"]) is immutable_list, (
+        "immutable ones are rebuilt"
+    )
+    assert frozen["x"][0].dtype == BF16
