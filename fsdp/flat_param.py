@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp.deferred_init import materialize_if_meta_
 
@@ -326,10 +327,14 @@ def claim_modules(wrapper: Any, modules: Iterable[nn.Module]) -> None:
 # [Note: optimizers over flattened parameters]
 # An optimizer built before wrapping holds the original parameters, which never get a gradient
 # again: torch optimizers skip them silently, and training does nothing. The originals are marked
-# when a wrapper flattens them, and one global step pre-hook refuses an optimizer holding one. It
-# scans an optimizer's parameters only when their count changed since its last scan.
-_FLATTENED_AS = "_fsdp_flattened_as"
-_SCANNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# when a wrapper flattens them (the meta ones a deferred initialization replaced included), and
+# one global step pre-hook refuses an optimizer holding one. It scans an optimizer's parameters
+# again only when something changed since its last scan: a wrapper flattened more parameters, or
+# the optimizer's parameter lists (their objects or lengths). The marks are weak references by
+# identity, not attributes, so a parameter pickled and loaded elsewhere does not carry one.
+_FLATTENED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> its name
+_MARKS = [0]  # how many times parameters were marked, process-wide
+_SCANNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
 _HOOK: list[Any] = []
 
 
@@ -346,23 +351,25 @@ def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
                 "accumulated there are not reduced yet and not in .grad, so the step would use stale ones. Step "
                 "after the backward outside no_sync()"
             )
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _SCANNED.get(optimizer) == count:
+    groups = optimizer.param_groups
+    key = (_MARKS[0], *(id(group["params"]) for group in groups), *(len(group["params"]) for group in groups))
+    if _SCANNED.get(optimizer) == key:
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    stale = [getattr(p, _FLATTENED_AS) for p in params if hasattr(p, _FLATTENED_AS)]
+    params = [p for group in groups for p in group["params"]]
+    stale = [_FLATTENED[p] for p in params if p in _FLATTENED]
     if stale:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel flattened (e.g. {stale[:3]}); "
             "they never get a gradient again. Build the optimizer after wrapping, from the wrapper's parameters()"
         )
-    _SCANNED[optimizer] = count
+    _SCANNED[optimizer] = key
 
 
 def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:
     """Mark the original parameters a wrapper flattened. See [Note: optimizers over flattened parameters]."""
     for fqn, p in owned:
-        setattr(p, _FLATTENED_AS, fqn)
+        _FLATTENED[p] = fqn
+    _MARKS[0] += 1
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
 

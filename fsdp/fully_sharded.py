@@ -296,7 +296,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
-        mark_flattened(owned)
+        mark_flattened([*before, *owned])
         claim_modules(self, self._module_param_order)
         self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
         self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)

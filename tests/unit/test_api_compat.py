@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import pickle
 import re
 import subprocess
 import sys
@@ -442,3 +443,28 @@ def test_a_deleted_wrapper_is_freed(single_rank_group: None) -> None:
     assert all(r() is None for r in refs) and shard() is None, (
         "a hook kept the wrappers and their shards alive"
     )
+
+
+def test_the_stale_optimizer_check_follows_later_wraps_and_meta_models(single_rank_group: None) -> None:
+    net = nn.Linear(4, 4)
+    warm = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.ones(1, 4)).sum().backward()
+    warm.step()  # scanned once, before wrapping
+    model = FSDP(net)
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="SGD holds parameters that FullyShardedDataParallel flattened"):
+        warm.step()  # same parameter count, but a wrap since the last scan
+
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    early = torch.optim.SGD(meta.parameters(), lr=0.1)  # over the meta parameters
+    deferred = FSDP(meta)
+    deferred(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"flattened \(e\.g\. \['0\.weight'"):
+        early.step()
+
+    fresh = nn.Linear(2, 2)
+    kept = fresh.weight
+    FSDP(fresh)
+    loaded = copy.deepcopy(pickle.loads(pickle.dumps(kept)))  # the values, saved and loaded elsewhere
+    torch.optim.SGD([loaded], lr=0.1).step()  # not a flattened parameter: no refusal
