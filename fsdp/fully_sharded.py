@@ -162,7 +162,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     training_state: TrainingState
     _ctx: _RootContext | None  # set at the root's lazy init; shared by the whole tree
     _is_root: bool | None  # None until lazy init
-    _inside_another: bool  # an outer wrapper was built around this one
+    _outer: weakref.ref[FullyShardedDataParallel] | None  # the live wrapper built around this one
     _reshard_after_forward: bool  # effective value (the root may override the config)
     _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
@@ -210,7 +210,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
         params_to_cpu = offload.params_to_cpu
         compute_device = checked_device(compute_device, "compute_device")
-        state_dict_device = checked_device(state_dict_device, "state_dict_device")
+        state_dict_device = checked_device(state_dict_device, "state_dict_device", allow_meta=True)
         strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
         groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
@@ -225,6 +225,14 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
 
         is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         target = materialize_device(compute_device, params_to_cpu, groups.dp)
+        collected, _, inner = collect_owned(module, is_wrapper)
+        for path, w in inner:
+            if w._inside_another:
+                raise ValueError(
+                    f"FullyShardedDataParallel: the inner wrapper at {path or '<the wrapped module>'!r} already "
+                    "belongs to another live outer wrapper; wrap each module once (build the model again for a "
+                    "second wrapped copy)"
+                )
         # every option is validated before a meta unit is materialized (dtypes are known on meta)
         config = FSDPConfig(
             sharding=ShardingConfig(
@@ -237,7 +245,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                 fp32_reduce_scatter,
                 force_input_to_fp32,
                 clear_autocast_cache,
-                collect_owned(module, is_wrapper)[0],
+                collected,
             ),
             comm=CommConfig(
                 groups.shard,
@@ -275,9 +283,9 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         self.fsdp_config = dataclasses.replace(config, compute_device=device)
         precision = config.precision
         self._fsdp_wrapped_module = module
-        self._inside_another = False
+        self._outer = None
         for _, w in inner:
-            w._inside_another = True  # (before any forward: checkpoints refuse an inner wrapper)
+            w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
         stats = CommStats()
@@ -379,6 +387,10 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
                     )
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         return self
+
+    @property
+    def _inside_another(self) -> bool:
+        return self._outer is not None and self._outer() is not None
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:

@@ -74,8 +74,9 @@ def backend_has_cuda(group: Any) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-def checked_device(value: Any, name: str) -> torch.device | None:
-    """``value`` (a device, a string such as ``"cuda:1"``, or None) as a device this process can use."""
+def checked_device(value: Any, name: str, allow_meta: bool = False) -> torch.device | None:
+    """``value`` (a device, a string such as ``"cuda:1"``, or None) as a device this process can use
+    (the meta device only with ``allow_meta``)."""
     if value is None:
         return None
     try:
@@ -84,7 +85,7 @@ def checked_device(value: Any, name: str) -> torch.device | None:
         raise TypeError(
             f"FullyShardedDataParallel: `{name}` must be a torch.device or a string, got {value!r}"
         ) from e
-    if device.type == "meta":
+    if device.type == "meta" and not allow_meta:
         raise ValueError(
             f"FullyShardedDataParallel: `{name}` cannot be the meta device (it holds no values); give a real one, "
             "or leave it unset. A model built on the meta device is materialized on the compute device"

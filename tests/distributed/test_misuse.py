@@ -102,8 +102,10 @@ def _tied_across_wrappers(how: str) -> str:
         head = nn.Linear(3, 5, bias=False)
     head.weight = emb.weight
     if how == "sibling":  # both wrapped on their own: the second one is refused
-        FSDP(emb)
-        return _expect(ValueError, FSDP, head)
+        first = FSDP(emb)  # alive while the second is built
+        msg = _expect(ValueError, FSDP, head)
+        del first
+        return msg
     # "meta": deferred init gives the inner wrapper a new parameter while head keeps the meta one
     model = nn.Sequential(FSDP(emb), head)
     return _expect(ValueError, FSDP, model)

@@ -143,7 +143,7 @@ def test_parameters_on_two_devices_are_refused(single_rank_group: None) -> None:
             r"`compute_device`=cuda:99 is not available in this process",
         ),
         ({"state_dict_device": "cuda:99"}, ValueError, r"`state_dict_device`=cuda:99 is not available"),
-        ({"compute_device": "meta"}, ValueError, "cannot be the meta device"),
+        ({"compute_device": "meta"}, ValueError, "`compute_device` cannot be the meta device"),
         ({"compute_device": 3.5}, TypeError, "must be a torch.device or a string"),
         ({"move_params_to_cpu": "yes"}, TypeError, "`move_params_to_cpu` must be a bool"),
         ({"cpu_offload": 1}, TypeError, "`cpu_offload` must be a bool"),
@@ -337,6 +337,15 @@ def test_a_module_wrapped_twice_is_refused(single_rank_group: None) -> None:
     with pytest.raises(ValueError, match="already wrapped"):
         FSDP(m[2])
     assert isinstance(FSDP(first).module, FSDP), "a wrapper around the wrapper stays allowed"
+    seq = nn.Sequential(FSDP(nn.Linear(2, 2)), FSDP(nn.Linear(2, 2)))  # all parameters in inner wrappers
+    outer = FSDP(seq)
+    with pytest.raises(
+        ValueError, match="inner wrapper at '0' already belongs to another live outer wrapper"
+    ):
+        FSDP(seq)
+    del outer
+    gc.collect()
+    FSDP(seq)  # once the first outer wrapper is gone, the inner ones may be wrapped again
 
 
 def test_parameters_added_after_wrapping_are_refused_at_the_first_forward(single_rank_group: None) -> None:
