@@ -18,6 +18,7 @@ from fsdp.collectives import all_gather_ints, all_reduce, digest_of_text
 
 __all__ = [
     "WRAPPED",
+    "check_hybrid_grids",
     "check_same_reductions_on_all_ranks",
     "check_same_wrappers_on_all_ranks",
     "fingerprint",
@@ -48,7 +49,9 @@ def fingerprint(root: Any, wrappers: list[Any]) -> list[str]:
             for h in w.handles
             for info in h.meta.params
         ]
-        lines.append(f"{wrapper_path(root, w)} [{type(w.module).__name__}] " + " ".join(params))
+        comm = w.fsdp_config.comm
+        layout = f"{w.fsdp_config.sharding.strategy.name} {comm.world_size}x{comm.dp_world_size // comm.world_size}"
+        lines.append(f"{wrapper_path(root, w)} [{type(w.module).__name__}] {layout} " + " ".join(params))
     return lines
 
 
@@ -73,6 +76,30 @@ def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
         "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
         f"the same way):\n  {diff}"
     )
+
+
+def check_hybrid_grids(root: Any, wrappers: list[Any]) -> None:
+    """Every replicate group must hold the ranks that keep the same shard: the same position in
+    shard groups of one size. One small all-gather over each distinct pair's groups, after the
+    fingerprint showed that every rank built the same strategies (so every member is here)."""
+    seen = set()
+    for w in wrappers:
+        comm = w.fsdp_config.comm
+        if w.fsdp_config.sharding.strategy.name != "HYBRID_SHARD" or comm.replicate_group is None:
+            continue
+        shard, replicate = comm.process_group, comm.replicate_group
+        if (id(shard), id(replicate)) in seen:
+            continue
+        seen.add((id(shard), id(replicate)))
+        positions = all_gather_ints([comm.rank, comm.world_size], replicate, root.compute_device)
+        sizes = all_gather_ints([dist.get_world_size(replicate)], shard, root.compute_device)
+        if len(set(positions)) != 1 or len(set(sizes)) != 1:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: the replicate group {dist.get_process_group_ranks(replicate)} of "
+                f"{wrapper_path(root, w)!r} must hold the ranks that keep the same shard (the same position in "
+                f"shard groups of one size); their (position, shard group size) are {positions}, and the "
+                f"replicate group sizes in the shard group are {[s for (s,) in sizes]}"
+            )
 
 
 def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any]) -> None:

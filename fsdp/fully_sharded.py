@@ -52,6 +52,7 @@ from fsdp.buckets import GradBucketer, ReduceScatterBucketer
 from fsdp.collectives import CommStats
 from fsdp.consistency import (
     WRAPPED,
+    check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
     wrapper_path,
@@ -424,6 +425,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         check_same_wrappers_on_all_ranks(self, wrappers)
+        check_hybrid_grids(self, wrappers)
         _make_bucketer(self, ctx)
 
     # ------------------------------------------------------------------ forward

@@ -23,6 +23,7 @@ __all__ = [
     "ProcessGroups",
     "backend_has_cuda",
     "backend_is_cuda_only",
+    "check_hybrid_pair",
     "checked_device",
     "choose_compute_device",
     "materialize_device",
@@ -136,6 +137,7 @@ def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGro
                     "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group)"
                 )
             shard, replicate = process_group
+            check_hybrid_pair(shard, replicate)
         elif process_group is None:
             local = os.environ.get("LOCAL_WORLD_SIZE")
             if local is None:
@@ -161,9 +163,41 @@ def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGro
             "FullyShardedDataParallel: a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD"
         )
     group = process_group if process_group is not None else world
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"FullyShardedDataParallel: this rank ({dist.get_rank()}) is not a member of process_group; give "
+            "every rank a group it belongs to (dist.new_group on every rank, then each rank passes its own)"
+        )
     if strategy is ShardingStrategy.NO_SHARD:
         return ProcessGroups(group, 1, 0, group if dist.get_world_size(group) > 1 else None, group)
     return ProcessGroups(group, dist.get_world_size(group), dist.get_rank(group), None, group)
+
+
+def check_hybrid_pair(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> None:
+    """Refuse a ``(shard, replicate)`` pair that cannot be a grid over the world, from what this
+    rank sees alone; :func:`~fsdp.consistency.check_hybrid_grids` completes the check across ranks."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    if dist.get_rank(shard) < 0 or dist.get_rank(replicate) < 0:
+        raise ValueError(
+            f"FullyShardedDataParallel: this rank ({me}) is not a member of both groups of process_group="
+            "(shard_group, replicate_group); give each rank the pair of groups it belongs to"
+        )
+    shard_ranks, replicate_ranks = (
+        dist.get_process_group_ranks(shard),
+        dist.get_process_group_ranks(replicate),
+    )
+    if set(shard_ranks) & set(replicate_ranks) != {me}:
+        raise ValueError(
+            f"FullyShardedDataParallel: the shard group {shard_ranks} and the replicate group {replicate_ranks} "
+            f"of rank {me} must have only this rank in common (the replicate group holds one rank of each shard "
+            "group: the ranks that keep the same shard)"
+        )
+    if len(shard_ranks) * len(replicate_ranks) != world:
+        raise ValueError(
+            f"FullyShardedDataParallel: HYBRID_SHARD groups of {len(shard_ranks)} (shard) x {len(replicate_ranks)} "
+            f"(replicate) ranks must cover the world of {world} ranks; hybrid sharding over part of the world is "
+            "not supported (give every rank a pair, or use FULL_SHARD with process_group=<your ranks>)"
+        )
 
 
 def reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int) -> dist.ProcessGroup:

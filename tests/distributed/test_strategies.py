@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import ShardingStrategy
+from fsdp import ProcessGroupName, ShardingStrategy
 from fsdp.collectives import hybrid_groups
 from tests.models import CASES, build, wrap
 from tests.parity import compare_training
@@ -132,6 +132,60 @@ def _bad_strategy_args(which: str) -> str:
 def test_invalid_strategy_arguments(pool: RankPool, which: str, match: str) -> None:
     for msg in pool.run(_bad_strategy_args, which):
         assert match in msg
+
+
+def _bad_hybrid_groups(which: str) -> str:
+    rank = dist.get_rank()
+    shard, replicate = hybrid_groups(2)  # shards {0, 1}, {2, 3}; replicas {0, 2}, {1, 3}
+    crossed, _ = dist.new_subgroups_by_enumeration([[0, 3], [1, 2]])  # every rank makes every group
+    partial = dist.new_group([0, 1, 2])
+    hybrid = ShardingStrategy.HYBRID_SHARD
+    try:
+        if which == "world_as_replicate":
+            FSDP(nn.Linear(2, 2), sharding_strategy=hybrid, process_group=(shard, dist.group.WORLD))
+        elif which == "shard_twice":
+            FSDP(nn.Linear(2, 2), sharding_strategy=hybrid, process_group=(shard, shard))
+        elif which == "part_of_the_world":
+            FSDP(nn.Linear(2, 2), sharding_strategy=hybrid, process_group=(shard, dist.new_group([rank])))
+        elif which == "crossed":  # each replicate group holds different shards: caught at the first forward
+            FSDP(nn.Linear(2, 2), sharding_strategy=hybrid, process_group=(shard, crossed))(torch.ones(1, 2))
+        elif which == "not_a_member":
+            FSDP(nn.Linear(2, 2), process_group=partial)
+            return "no error" if rank < 3 else "rank 3 was accepted"
+        elif which == "strategies_differ":  # rank 0 alone builds HYBRID: the fingerprint says so
+            # (no second reduce-scatter group: creating one is a world collective that rank 0 would skip)
+            kwargs: dict[str, Any] = {"sharding_strategy": hybrid, "process_group": (shard, replicate)}
+            FSDP(
+                nn.Linear(2, 2),
+                process_group_reduce_scatter=ProcessGroupName.default,
+                **(kwargs if rank == 0 else {}),
+            )(torch.ones(1, 2))
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [4], indirect=True)
+@pytest.mark.parametrize(
+    ("which", "match"),
+    [
+        ("world_as_replicate", "must have only this rank in common"),
+        ("shard_twice", "must have only this rank in common"),
+        ("part_of_the_world", "must cover the world of 4 ranks"),
+        ("crossed", "must hold the ranks that keep the same shard"),
+        ("strategies_differ", "ranks built different FSDP wrappers"),
+    ],
+)
+def test_hybrid_groups_that_do_not_fit_are_refused(pool: RankPool, which: str, match: str) -> None:
+    for msg in pool.run(_bad_hybrid_groups, which, timeout=60):
+        assert match in msg, msg
+
+
+@pytest.mark.parametrize("pool", [4], indirect=True)
+def test_a_process_group_without_this_rank_is_refused(pool: RankPool) -> None:
+    msgs = pool.run(_bad_hybrid_groups, "not_a_member", timeout=60)
+    assert msgs[:3] == ["no error"] * 3
+    assert "this rank (3) is not a member of process_group" in msgs[3], msgs[3]
 
 
 def _free_port() -> int:
