@@ -39,8 +39,8 @@ def materialize_(
 
     ``owned`` lists every name of every owned parameter (tied ones included), so that a parameter
     shared by two modules stays one tensor after materialization. Modules are processed one at a
-    time with ``to_empty(recurse=False)`` followed by ``param_init_fn(module)`` or
-    ``module.reset_parameters()``.
+    time, parent before child: their meta tensors get empty memory on ``device`` (real ones are
+    kept), then ``param_init_fn(module)`` or ``module.reset_parameters()`` runs.
     """
     names_of: dict[int, list[tuple[nn.Module, str]]] = {}
     for fqn, p in owned:
@@ -57,7 +57,8 @@ def materialize_(
         buffers = [b for b in module._buffers.values() if b is not None and b.is_meta]
         if not pending and not buffers:
             continue
-        module.to_empty(device=device, recurse=False)
+        # like to_empty(recurse=False), but a real tensor among meta ones keeps its values
+        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)  # type: ignore[no-untyped-call]
         if param_init_fn is not None:
             with torch.no_grad():  # in-place initialization of leaves that require grad
                 param_init_fn(module)

@@ -164,6 +164,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
     _ctx: _RootContext | None  # set at the root's lazy init; shared by the whole tree
     _is_root: bool | None  # None until lazy init
     _outer: weakref.ref[FullyShardedDataParallel] | None  # the live wrapper built around this one
+    _frozen: bool  # .to() / to_empty() pass this wrapper by (while an outer one materializes)
     _reshard_after_forward: bool  # effective value (the root may override the config)
     _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
@@ -201,6 +202,7 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         limit_all_gathers: bool = True,
     ) -> None:
         super().__init__()
+        self._frozen = False
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -272,7 +274,14 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
         )
-        owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
+        nested = [w for _, outer in inner for w in outer._wrappers()]
+        for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
+            w._frozen = True
+        try:
+            owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
+        finally:
+            for w in nested:
+                w._frozen = False
         device = choose_compute_device(
             compute_device,
             module,
@@ -376,6 +385,8 @@ class FullyShardedDataParallel(FairscaleAttributes, nn.Module):
         """``.half()``, ``.to()``, ``.cuda()`` after wrapping: refused, before anything changes, when
         they would change a flat parameter's dtype or device (shards, casts and copies were set up
         for those at construction); allowed when they change nothing."""
+        if self._frozen:  # an outer wrapper's deferred initialization is running
+            return self
         for w in self._wrappers():
             for h in w.handles:
                 probe = fn(h.flat_param.detach())

@@ -204,3 +204,58 @@ def _init_in_place() -> float:
 @pytest.mark.parametrize("pool", [1], indirect=True)
 def test_param_init_fn_may_initialize_in_place(pool: RankPool) -> None:
     assert pool.run(_init_in_place) == [4.5]
+
+
+class _ScaledLinear(nn.Module):
+    """A meta module with a real buffer that reset_parameters does not write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))  # real, set at construction
+
+    def reset_parameters(self) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class _WithOwnParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.empty(4))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x + self.pos)
+
+
+def _to_empty_recursive(module: nn.Module) -> None:
+    module.to_empty(device=torch.device("cpu"))  # torch-style, recurse=True: reaches the inner wrapper
+    for p in module.parameters(recurse=False):
+        p.fill_(0.25)
+
+
+def _real_tensors_survive() -> dict[str, object]:
+    scaled = FSDP(_ScaledLinear())
+    with torch.device("meta"):
+        outer = _WithOwnParameter()
+    torch.manual_seed(0)
+    inner = nn.Linear(4, 4)  # a real inner unit, built eagerly
+    expected = inner.weight.detach().clone()
+    outer.inner = FSDP(inner)
+    wrapped = FSDP(outer, param_init_fn=_to_empty_recursive)
+    with wrapped.summon_full_params():
+        inner_equal = torch.equal(wrapped.module.inner.module.weight, expected)
+        pos = wrapped.module.pos.tolist()
+    return {"scale": scaled.module.scale.tolist(), "inner_equal": inner_equal, "pos": pos}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_materialization_keeps_real_tensors_and_inner_units(pool: RankPool) -> None:
+    for r in pool.run(_real_tensors_survive):
+        assert r["scale"] == [2.0] * 4, "a real buffer of a meta unit keeps its values"
+        assert r["inner_equal"], "a param_init_fn calling to_empty(recurse=True) leaves inner units alone"
+        assert r["pos"] == [0.25] * 4
