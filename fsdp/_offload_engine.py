@@ -9,6 +9,16 @@ slices' autograd functions in reverse order, so slice k's backward prefetches sl
 slice k-1's backward will run, i.e. its output needs a gradient). So at most two slices are on
 the device at once: the one computing and the one being copied in.
 
+A backward that does not reach slice k-1 although its output needs a gradient (a partial one:
+``torch.autograd.grad(loss, params_of_later_slices)``) leaves the prefetched slice k-1 unused. The
+first slice backward of each backward queues a callback at the end of its graph task that frees
+every slice still on the device (nothing can use one then), so no slice outlives a backward.
+
+A buffer belongs to one slice only (the model refuses a buffer shared by two slices at
+construction): the prefetch of slice k+1 reads its masters before slice k writes its buffers
+back, so a buffer in both would be copied in stale. A parameter may be shared (tied) across
+slices: forward does not change it, and each slice has its own device copy.
+
 [Note: offload streams]
 On CUDA, host->device copies of slices run on ``copy_stream`` and device->host copies (buffers,
 boundary activations, gradients) on ``offload_stream``; compute runs on the current stream.
@@ -20,7 +30,14 @@ boundary activations, gradients) on ``offload_stream``; compute runs on the curr
   compute and offload work queued so far; that work includes every read of a freed slice, because
   a slice is freed only after its compute and write-back are queued. The prefetch of slice k+1 is
   queued before slice k's compute, so it overlaps that compute.
-- Boundary activations read by ``offload_stream`` are marked with ``record_stream``.
+- Boundary activations and buffer values written back, read by ``offload_stream``, are marked
+  with ``record_stream`` (a buffer's value may be a tensor a layer allocated on the current
+  stream, freed when the forward drops it).
+- The end-of-backward callback frees only slices that no backward used: the only work on their
+  copies is their own host->device copy on ``copy_stream``, which later ``copy_stream``
+  allocations follow in stream order anyway, so freeing them needs no wait. That copy may still
+  read the masters when backward returns (an optimizer step may then change them under it); its
+  values are never used.
 - Gradients are handed to autograd as host tensors, which CPU code (``AccumulateGrad``) reads at
   once, so backward blocks the host on the gradient copies of its slice before returning; the
   prefetch of the next slice keeps the copy engine busy meanwhile. Forward likewise waits for its
@@ -40,8 +57,9 @@ two slices + one micro-batch's activations of one slice.
 Without checkpointing, each slice keeps the autograd graph of its micro-batches; the activations
 inside it (boundaries included) stay on ``device``, only the parameters leave (through the
 aliases of [Note: offload residency]). Offloading the boundaries would save nothing, since the
-next slice's graph already holds them on the device. Device memory: about two slices + the
-activations of the whole model.
+next slice's graph already holds them on the device. The buffers each slice runs with are clones
+of its device copies (see [Note: offload residency]), kept by the graph where it saved them.
+Device memory: about two slices + the activations of the whole model.
 Backward then frees each slice's graph as it goes, so backward through an ``OffloadModel`` forward
 can run only once (``retain_graph=True`` is refused with an error).
 """
@@ -92,7 +110,13 @@ class OffloadConfig:
 
 
 def _rows(batch: int, num_microbatches: int) -> list[int]:
-    """Micro-batch sizes for ``batch`` rows: as even as possible, larger ones first (like tensor_split)."""
+    """Micro-batch sizes for ``batch`` rows: as even as possible, larger ones first (like tensor_split).
+
+    A batch of fewer rows than ``num_microbatches`` gets one micro-batch per row (fairscale's
+    ``torch.chunk`` makes fewer chunks too); an empty batch gets one empty micro-batch.
+    Example: ``_rows(7, 4) == [2, 2, 2, 1]``, ``_rows(3, 4) == [1, 1, 1]``, ``_rows(0, 4) == [0]``.
+    """
+    num_microbatches = max(1, min(num_microbatches, batch))
     q, r = divmod(batch, num_microbatches)
     return [q + 1] * r + [q] * (num_microbatches - r)
 
@@ -137,6 +161,7 @@ class _Engine:
     _copy_stream: Any  # host->device slice copies; created at first use
     _offload_stream: Any  # device->host copies of buffers, boundary activations, gradients
     _boundary: tuple[torch.Tensor, torch.Tensor] | None  # (offload copy, device tensor) of the last output
+    _end_backward_queued: bool  # the current backward has queued _end_backward
 
     def __init__(self, config: OffloadConfig, slices: list[_Slice]) -> None:
         self.config = config
@@ -146,6 +171,13 @@ class _Engine:
         self._copy_stream = None
         self._offload_stream = None
         self._boundary = None
+        self._end_backward_queued = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without streams or per-call state (the slices drop their device copies)."""
+        state = self.__dict__.copy()
+        state.update(_copy_stream=None, _offload_stream=None, _boundary=None, _end_backward_queued=False)
+        return state
 
     # ------------------------------------------------------------------ streams
     def _streams(self) -> tuple[Any, Any]:
@@ -258,22 +290,26 @@ class _Engine:
             if sl.residency is Residency.ON_DEVICE:
                 self.free(sl)
 
-    def write_back_buffers(self, sl: _Slice) -> None:
-        """Queue the copy of ``sl``'s device buffers into the masters (forward may update them)."""
+    def write_back_buffers(self, sl: _Slice, values: Sequence[torch.Tensor]) -> None:
+        """Queue the copy of ``values`` (the buffers after the slice's last micro-batch, per
+        ``buffer_names``) into the masters: forward may update buffers in place or assign new ones.
+        See [Note: offload residency] and, for ``record_stream``, [Note: offload streams].
+        """
         masters = sl.master_buffers()
         if not masters:
             return
         _, offload = self._streams()
         self.handle.wait_stream(offload, self.handle.current_stream())
         with self.handle.stream(offload), torch.no_grad():
-            for m, dev in zip(masters, sl.device_buffers):
-                assert dev is not None
-                m.copy_(dev, non_blocking=True)
+            for m, value in zip(masters, values, strict=True):
+                m.copy_(value, non_blocking=True)
+                self.handle.record_stream(value, offload)
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
         self.free_all()
         self._boundary = None
+        self._end_backward_queued = False  # a backward that raised never ran its callback
 
     def end_forward(self, failed: bool = False) -> None:
         """Finish a forward (or clean up after one that raised).
@@ -298,8 +334,9 @@ class _Engine:
         return x.to(self.config.device, non_blocking=True)
 
     def rows_of(self, x: torch.Tensor) -> list[int]:
+        """Micro-batch sizes for ``x``: ``min(num_microbatches, rows)`` of them, see ``_rows``."""
         m = self.config.num_microbatches
-        if m == 1:
+        if m == 1 or x.dim() == 0:
             return [x.shape[0] if x.dim() > 0 else 1]  # one micro-batch: only the count matters
         return _rows(x.shape[0], m)
 
@@ -320,16 +357,20 @@ class _Engine:
 
     def run_no_grad(
         self, sl: _Slice, x_dev: torch.Tensor, rows: list[int], rng: list[_RngState] | None
-    ) -> torch.Tensor:
-        """``sl`` over every micro-batch without a graph; the RNG state before each goes to ``rng``."""
-        tensors = sl.aliases([False] * len(sl.param_names))
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``sl`` over every micro-batch without a graph; the RNG state before each goes to ``rng``.
+
+        Returns the output and the buffers' values after the last micro-batch.
+        """
+        params = sl.param_aliases([False] * len(sl.param_names))
+        buffers = sl.buffer_aliases()
         outs = []
         with torch.no_grad():
             for x_mb in self._split(x_dev, rows):
                 if rng is not None:
                     rng.append(_RngState(torch.get_rng_state(), self.handle.get_rng_state()))
-                outs.append(sl.run(x_mb, tensors))
-        return self._join(sl, outs, rows)
+                outs.append(sl.run(x_mb, params, buffers))
+        return self._join(sl, outs, rows), buffers
 
     def forward_slice(
         self, index: int, x: torch.Tensor, needs_x_grad: bool, needs_param_grads: Sequence[bool]
@@ -356,19 +397,21 @@ class _Engine:
             record.autocast = _AutocastState(
                 torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
             )
-            y = self.run_no_grad(sl, x_dev, rows, record.rng)
+            y, buffers = self.run_no_grad(sl, x_dev, rows, record.rng)
         else:
-            tensors = sl.aliases(needs_param_grads)
+            params = sl.param_aliases(needs_param_grads)
+            # the graph's own buffers, not aliases: see [Note: offload residency]
+            buffers = [b.clone() for b in sl.buffer_aliases()]
             x_in = x_dev.detach().requires_grad_(needs_x_grad)
             with torch.enable_grad():
-                outs = [sl.run(x_mb, tensors) for x_mb in self._split(x_in, rows)]
+                outs = [sl.run(x_mb, params, buffers) for x_mb in self._split(x_in, rows)]
                 y = self._join(sl, outs, rows)
             if y.requires_grad:
                 record.graph_output = y
                 record.graph_input = x_in if needs_x_grad else None
-                record.graph_params = [tensors[name] for name in sl.param_names]
+                record.graph_params = params
             y = y.detach()
-        self.write_back_buffers(sl)
+        self.write_back_buffers(sl, buffers)
         self.free(sl)
         if self.config.checkpoint_activation and not last:
             (y_off,) = self._to_offload([y], self.config.offload_device)
@@ -388,8 +431,8 @@ class _Engine:
             for index, sl in enumerate(self.slices):
                 self.wait_loaded(sl)
                 self.prefetch(index + 1)
-                h = self.run_no_grad(sl, h, self.rows_of(h), None)
-                self.write_back_buffers(sl)
+                h, buffers = self.run_no_grad(sl, h, self.rows_of(h), None)
+                self.write_back_buffers(sl, buffers)
                 self.free(sl)
         except BaseException:
             self.end_forward(failed=True)
@@ -414,28 +457,42 @@ class _Engine:
         their values (the host waited for the copies).
         """
         sl = self.slices[record.index]
-        self.wait_loaded(sl)
-        if not self.config.checkpoint_activation and record.generation != sl.generation:
-            self.free(sl)
-            raise RuntimeError(
-                f"OffloadModel: the parameters of {sl.describe()} were replaced between forward and "
-                "backward, so the graph saved in forward no longer matches them; run forward again"
-            )
-        if needs_x_grad:
-            self.prefetch(record.index - 1)
-        g_dev = grad_y.to(self.config.device, non_blocking=True)
-        if self.config.checkpoint_activation:
-            assert saved_input is not None
-            grad_x, grads = self._recompute_grads(
-                sl, record, saved_input, g_dev, needs_x_grad, needs_param_grads
-            )
-        else:
-            grad_x, grads = self._graph_grads(sl, record, g_dev, needs_x_grad, needs_param_grads)
+        if not self._end_backward_queued:
+            self._end_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+        try:
+            self.wait_loaded(sl)
+            if not self.config.checkpoint_activation and record.generation != sl.generation:
+                raise RuntimeError(
+                    f"OffloadModel: the parameters of {sl.describe()} were replaced between forward and "
+                    "backward, so the graph saved in forward no longer matches them; run forward again"
+                )
+            if needs_x_grad:
+                self.prefetch(record.index - 1)
+            g_dev = grad_y.to(self.config.device, non_blocking=True)
+            if self.config.checkpoint_activation:
+                assert saved_input is not None
+                grad_x, grads = self._recompute_grads(
+                    sl, record, saved_input, g_dev, needs_x_grad, needs_param_grads
+                )
+            else:
+                grad_x, grads = self._graph_grads(sl, record, g_dev, needs_x_grad, needs_param_grads)
+        except BaseException:
+            # autograd runs no end-of-backward callback after an error
+            self._end_backward_queued = False
+            self.free_all()
+            raise
         self.free(sl)
         (grad_x_out,) = self._to_offload([grad_x], x_device)
         grads_out = self._to_offload(grads, self.config.offload_device)
         self._sync_offload()
         return grad_x_out, grads_out
+
+    def _end_backward(self) -> None:
+        """End of a backward's graph task: free the slices prefetched for a backward that did not
+        come (a partial backward). See [Note: offload schedule]."""
+        self._end_backward_queued = False
+        self.free_all()
 
     def _graph_grads(
         self,
@@ -479,11 +536,9 @@ class _Engine:
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Recompute each micro-batch from the saved input and sum its parameter gradients."""
         device = self.config.device
-        snapshot = None
-        if record.buffer_snapshot is not None:
-            snapshot = [b.to(device, non_blocking=True) for b in record.buffer_snapshot]
-        tensors = sl.aliases(needs_param_grads, snapshot)
-        leaves = [tensors[name] for name in sl.param_names]
+        # copies (also on the CPU), which the recompute may update: a second backward starts afresh
+        buffers = [b.to(device, non_blocking=True, copy=True) for b in record.buffer_snapshot or []]
+        leaves = sl.param_aliases(needs_param_grads)
         wanted = [i for i, needs in enumerate(needs_param_grads) if needs]
         grad_x_parts: list[torch.Tensor] = []
         x_dev = x.to(device, non_blocking=True)
@@ -497,7 +552,7 @@ class _Engine:
                 torch.autocast(device.type, dtype=record.autocast.dtype, enabled=record.autocast.enabled),
                 torch.enable_grad(),
             ):
-                out = sl.run(x_leaf, tensors)
+                out = sl.run(x_leaf, leaves, buffers)
             inputs = [leaves[j] for j in wanted] + ([x_leaf] if needs_x_grad else [])
             if out.requires_grad and inputs:
                 # into the leaves' .grad (fresh aliases: None before the first micro-batch), which

@@ -70,12 +70,36 @@ def _as_device(value: Any, name: str) -> torch.device:
         raise TypeError(
             f"OffloadModel: `{name}` must be a torch.device or a string such as 'cuda', got {value!r}"
         )
+    if value.type == "meta":
+        raise ValueError(
+            f"OffloadModel: `{name}`=meta holds no values, but OffloadModel copies parameter values between "
+            "offload_device and device; pass real devices (e.g. device='cuda', offload_device='cpu')"
+        )
     if not device_available(value):
         raise ValueError(
             f"OffloadModel: `{name}`={value} is not available in this process; "
             "pass device=torch.device('cpu') on a machine without CUDA"
         )
     return default_compute_device({value})  # "cuda" -> "cuda:<current>", so device comparisons hold
+
+
+def _check_no_buffer_in_two_slices(model: nn.Sequential, slices: Sequence[_Slice]) -> None:
+    """Refuse a buffer that layers in two slices use. See [Note: offload schedule]."""
+    names = {id(b): name for name, b in model.named_buffers()}
+    where: dict[int, list[int]] = {}
+    for sl in slices:
+        for b in sl.layers.buffers():
+            where.setdefault(id(b), []).append(sl.index)
+    for key, indices in where.items():
+        if len(indices) > 1:
+            layers = [i for i, layer in enumerate(model) if any(id(b) == key for b in layer.buffers())]
+            raise ValueError(
+                f"OffloadModel: buffer {names[key]!r} is used by layers {layers}, which fall in slices "
+                f"{indices} ({[slices[i].describe() for i in indices]}); a slice's buffers are written back "
+                "only after the next slice was copied in, so that slice would see a stale value. Choose "
+                "num_slices so that these layers share one slice, or do not share the module (or buffer) "
+                "across the model"
+            )
 
 
 class OffloadModel(nn.Module):
@@ -102,20 +126,26 @@ class OffloadModel(nn.Module):
             and ``offload_device`` the CPU).
         device: where the layers compute.
         offload_device: where parameters, buffers, gradients and the optimizer live.
-        num_slices: how many slices; ``1 <= num_slices <= len(model)``.
+        num_slices: how many slices; ``1 <= num_slices <= len(model)`` (fairscale clamps a larger
+            value; here it is a ``ValueError``).
         checkpoint_activation: keep only each slice's input (on ``offload_device``) and recompute
             the slice in backward, instead of keeping its autograd graph on ``device``.
         num_microbatches: split dim 0 of the input into this many micro-batches (sizes differ
-            by at most one) and run each slice over all of them before moving on.
+            by at most one; a batch of fewer rows gets one micro-batch per row) and run each slice
+            over all of them before moving on.
 
-    Pre (forward): ``x`` is one tensor; with ``num_microbatches = m > 1`` it has at least ``m``
-    rows and every layer keeps the batch in dim 0. Post: the output is on ``device``; the
-    parameters and buffers are still on ``offload_device``.
+    The options are readable as fairscale's attributes: ``device``, ``offload_device``,
+    ``num_slices``, ``num_microbatches``, ``checkpoint_activation`` (read-only).
+
+    Pre (forward): ``x`` is one tensor, with at least one dimension when ``num_microbatches > 1``,
+    and every layer keeps the batch in dim 0. Post: the output is on ``device``; the parameters
+    and buffers are still on ``offload_device``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``; an option has the wrong type.
         ValueError: ``model`` is empty; ``num_slices`` or ``num_microbatches`` out of range; a
-            device that is not available.
+            device that is not available or is ``meta``; a parameter or buffer on ``meta``; a buffer
+            used by layers in two slices.
     """
 
     module: nn.Sequential  # the user's model, its tensors on offload_device
@@ -151,6 +181,13 @@ class OffloadModel(nn.Module):
                 f"OffloadModel: num_slices={num_slices} but the nn.Sequential has only {len(model)} "
                 f"layers; use 1 <= num_slices <= {len(model)}"
             )
+        meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if meta:
+            raise ValueError(
+                f"OffloadModel: {meta[0]!r}{f' (and {len(meta) - 1} more)' if len(meta) > 1 else ''} is on "
+                "the meta device and holds no values; materialize the model first "
+                "(model.to_empty(device='cpu'), then initialize it)"
+            )
         if config.device == config.offload_device and config.device.type != "cpu":
             warnings.warn(
                 f"OffloadModel: device and offload_device are both {config.device}; nothing is offloaded",
@@ -164,14 +201,12 @@ class OffloadModel(nn.Module):
                 "micro-batch, so results differ from running the whole batch at once",
                 stacklevel=2,
             )
-        self.module = model
-        self.config = config
-        handle = DeviceHandle(config.device)
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                t.data = handle.pin_memory(t.data.to(config.offload_device))
         sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
         slices = [_Slice(i, a, b, model) for i, (a, b) in enumerate(split_layers(sizes, num_slices))]
+        _check_no_buffer_in_two_slices(model, slices)
+        self.module = model
+        self.config = config
+        self._place_masters(move=True)
         self._engine = _Engine(config, slices)
         total = sum(sizes)
         logger.info(
@@ -184,10 +219,48 @@ class OffloadModel(nn.Module):
             config.offload_device,
         )
 
+    def _place_masters(self, move: bool) -> None:
+        """Masters on offload_device (``move``), pinned when they feed a CUDA device from the CPU."""
+        handle = DeviceHandle(self.config.device)
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                data = t.data.to(self.config.offload_device) if move else t.data
+                t.data = handle.pin_memory(data)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """After unpickling (``torch.load``): pin the masters again where this process can."""
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        if device_available(self.config.device):
+            self._place_masters(move=False)
+
     @property
     def slice_bounds(self) -> list[tuple[int, int]]:
         """The ``[start, stop)`` layer range of each slice, in order."""
         return [(sl.start, sl.stop) for sl in self._engine.slices]
+
+    # fairscale's attributes, read-only (they are fixed at construction)
+    @property
+    def device(self) -> torch.device:
+        """Where the layers compute."""
+        return self.config.device
+
+    @property
+    def offload_device(self) -> torch.device:
+        """Where parameters, buffers, gradients and the optimizer live."""
+        return self.config.offload_device
+
+    @property
+    def num_slices(self) -> int:
+        return self.config.num_slices
+
+    @property
+    def num_microbatches(self) -> int:
+        """The most micro-batches a forward uses (``min(num_microbatches, rows)`` for a batch)."""
+        return self.config.num_microbatches
+
+    @property
+    def checkpoint_activation(self) -> bool:
+        return self.config.checkpoint_activation
 
     def extra_repr(self) -> str:
         c = self.config
@@ -202,11 +275,10 @@ class OffloadModel(nn.Module):
                 f"OffloadModel.forward takes one tensor (what the first layer takes), got {type(x).__name__}"
             )
         m = self.config.num_microbatches
-        if m > 1 and (x.dim() == 0 or x.shape[0] < m):
-            rows = "a 0-dim tensor" if x.dim() == 0 else f"{x.shape[0]} rows"
+        if m > 1 and x.dim() == 0:
             raise ValueError(
-                f"OffloadModel: cannot split {rows} into num_microbatches={m}; give a batch of at least "
-                f"{m} rows in dim 0, or lower num_microbatches"
+                f"OffloadModel: cannot split a 0-dim tensor into num_microbatches={m}; give a batch in "
+                "dim 0, or use num_microbatches=1"
             )
         engine = self._engine
         if not torch.is_grad_enabled():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import itertools
 import json
 import runpy
@@ -63,6 +64,35 @@ class Counter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * (1.0 + self.count)
         self.count += 1
+        return y
+
+
+class Ema(nn.Module):
+    """A buffer assigned anew in forward (not updated in place), as running averages often are."""
+
+    avg: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+        return x - self.avg
+
+
+class Scale(nn.Module):
+    """Autograd saves the buffer (d(x * scale)/dx = scale), then forward assigns it anew."""
+
+    scale: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale
+        self.scale = self.scale * 1.25
         return y
 
 
@@ -127,15 +157,19 @@ def _train_and_compare(
     steps: int = 3,
     batch: int = 8,
     width: int = 6,
+    ref_microbatches: int = 1,
 ) -> None:
-    """Train both side by side; outputs, input and parameter gradients, parameters must agree."""
+    """Train both side by side; outputs, input and parameter gradients, parameters and buffers must
+    agree. ``ref_microbatches``: the plain model runs over that many micro-batches one after the
+    other (the reference where buffers change from one micro-batch to the next)."""
     check_copies = _assert_ran_on_copies(off)
     opt_ref, opt_off = make_opt(ref.parameters()), make_opt(off.parameters())
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randn(batch, width, generator=gen)
         x_ref, x_off = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y_ref, y_off = ref(x_ref), off(x_off)
+        y_ref = torch.cat([ref(x_mb) for x_mb in x_ref.tensor_split(ref_microbatches)])
+        y_off = off(x_off)
         assert_close(y_off, y_ref, **TOL)
         _loss(y_ref).backward()
         _loss(y_off).backward()
@@ -151,6 +185,8 @@ def _train_and_compare(
         opt_off.zero_grad()
         for (name, p_ref), p_off in zip(ref.named_parameters(), off.parameters()):
             assert_close(p_off, p_ref, **TOL, msg=name)
+        for (name, b_ref), b_off in zip(ref.named_buffers(), off.buffers(), strict=True):
+            assert_close(b_off, b_ref, **TOL, msg=name)
     check_copies()
     assert all(sl.residency is Residency.OFFLOADED for sl in off._engine.slices)
 
@@ -313,7 +349,9 @@ def test_frozen_layer_integer_input_and_weights_tied_across_slices(checkpoint_ac
 
 
 def test_checkpointed_backward_can_run_twice_with_retain_graph() -> None:
+    """Each recompute starts from the buffers' forward-time values (Counter updates one in place)."""
     ref = make_model()
+    ref.insert(2, Counter())
     off = _offload(ref, num_slices=3, checkpoint_activation=True)
     x = torch.randn(4, 6)
     for model in (ref, off):
@@ -469,6 +507,8 @@ def test_stream_protocol_orders_copies_before_compute_and_overlaps_the_prefetch(
         assert [e[1] for e in backward if e[0] == "compute"] == ["2", "1", "0"]
     # Each slice's backward blocks the host on its gradient copies before autograd reads them.
     assert sum(1 for e in backward if e[0] == "host_waits") == 3
+    # The buffer values written back are marked as read by the offload stream (the Shift layer's).
+    assert forward.count(("record_stream", "offload")) == 1
 
 
 def test_forward_leaves_master_parameters_untouched_and_on_offload_device() -> None:
@@ -543,9 +583,9 @@ def test_unavailable_device_is_refused() -> None:
 
 
 def test_forward_errors_say_what_to_change() -> None:
-    off = OffloadModel(make_model(), CPU, num_slices=2, num_microbatches=4)
-    with pytest.raises(ValueError, match="cannot split 3 rows into num_microbatches=4"):
-        off(torch.randn(3, 6))
+    off = OffloadModel(nn.Sequential(nn.Linear(1, 2), nn.Linear(2, 2)), CPU, num_slices=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="cannot split a 0-dim tensor into num_microbatches=4"):
+        off(torch.randn(()))
     with pytest.raises(TypeError, match="takes one tensor"):
         off((torch.randn(4, 6),))  # type: ignore[arg-type]
     mixing = OffloadModel(
@@ -575,6 +615,7 @@ def test_second_backward_without_checkpointing_is_refused() -> None:
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="checkpoint_activation=True"):
         loss.backward()
+    assert all(sl.residency is Residency.OFFLOADED for sl in off._engine.slices)
 
 
 def test_moving_the_model_or_replacing_a_layer_is_refused() -> None:
@@ -588,9 +629,197 @@ def test_moving_the_model_or_replacing_a_layer_is_refused() -> None:
     with pytest.raises(RuntimeError, match="replaced between forward and backward"):
         loss.backward()
     off = _offload(make_model(), num_slices=2)
+    twin = nn.Linear(6, 16)  # holds the same parameters: their names do not change, their slots do
+    twin.weight, twin.bias = off.module[0].weight, off.module[0].bias
+    off.module[0].add_module("twin", twin)
+    with pytest.raises(RuntimeError, match="or they moved between the modules that hold them"):
+        off(torch.randn(2, 6))
+    off = _offload(make_model(), num_slices=2)
     off.module.to("meta")
     with pytest.raises(RuntimeError, match=r"do not call \.to\(\)"):
         off(torch.randn(2, 6))
+
+
+# ---------------------------------------------------------------------------- shared modules, buffers
+class CountedBlock(nn.Module):
+    """A Linear and a buffer updated in place, for a block used several times in one layer."""
+
+    count: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return torch.tanh(self.linear(x)) * (1.0 + 0.1 * self.count)
+
+
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+def test_module_used_several_times_matches_plain_model(num_slices: int, checkpoint_activation: bool) -> None:
+    """ALBERT-style sharing: one Linear four times (within a slice and across slices) and one block
+    with a buffer three times inside one layer; the masters stay the user's Parameter objects."""
+    torch.manual_seed(0)
+    shared, block = nn.Linear(8, 8), CountedBlock(8)
+    ref = nn.Sequential(nn.Linear(6, 8), *[shared] * 4, nn.Sequential(*[block] * 3), nn.Linear(8, 3))
+    off = _offload(
+        ref, num_slices=num_slices, checkpoint_activation=checkpoint_activation, num_microbatches=2
+    )
+    masters = list(off.module[1].parameters()) + list(off.module[5][0].parameters())
+    _train_and_compare(ref, off, OPTIMIZERS["adam"], steps=3, ref_microbatches=2)
+    assert list(off.module[1].parameters()) + list(off.module[5][0].parameters()) == masters
+    assert all(off.module[i].weight is masters[0] for i in range(1, 5))
+    assert float(off.module[5][0].count) == 3 * 2 * 3  # three uses, two micro-batches, three steps
+    # The masters are plain CPU tensors again: reading the state dict sees their values.
+    for (name, t_ref), (key, t_off) in zip(ref.state_dict().items(), off.state_dict().items(), strict=True):
+        assert key == f"module.{name}"
+        assert_close(t_off, t_ref, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+@pytest.mark.parametrize("num_slices", [1, 3])
+def test_buffers_assigned_anew_in_forward_match_plain_model(
+    num_slices: int, num_microbatches: int, checkpoint_activation: bool
+) -> None:
+    """A buffer assigned a new tensor is written back and carried to the next micro-batch; a buffer
+    value autograd saved is the forward-time one in backward (the reference runs the plain model
+    over the micro-batches one after the other)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Linear(6, 8), Ema(8), Scale(8), nn.Tanh(), nn.Linear(8, 8), Scale(8), nn.Linear(8, 3)
+    )
+    off = _offload(
+        ref,
+        num_slices=num_slices,
+        checkpoint_activation=checkpoint_activation,
+        num_microbatches=num_microbatches,
+    )
+    _train_and_compare(ref, off, OPTIMIZERS["sgd_momentum"], steps=3, ref_microbatches=num_microbatches)
+    assert_close(off.module[2].scale, torch.linspace(0.5, 1.5, 8) * 1.25 ** (3 * num_microbatches))
+
+
+def test_buffer_assigned_a_different_shape_is_refused() -> None:
+    class Grow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen = torch.zeros(3)
+            return x
+
+    off = OffloadModel(nn.Sequential(nn.Linear(2, 2), Grow()), CPU, num_slices=2)
+    with pytest.raises(RuntimeError, match=r"set buffer '1\.seen' to shape \(3,\).*same shape and dtype"):
+        off(torch.randn(2, 2))
+    assert off.module[1].seen.shape == (2,)
+    assert all(sl.residency is Residency.OFFLOADED for sl in off._engine.slices)
+
+
+def test_buffer_shared_by_two_slices_is_refused_and_works_in_one() -> None:
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(8)
+    ref = nn.Sequential(nn.Linear(6, 8), bn, nn.Linear(8, 8), bn, nn.Linear(8, 3))
+    with pytest.raises(
+        ValueError, match=r"buffer '1\.running_mean' is used by layers \[1, 3\].*slices \[0, 1\]"
+    ):
+        _offload(ref, num_slices=2)
+    with pytest.raises(ValueError, match="Choose num_slices so that these layers share one slice"):
+        _offload(ref, num_slices=3)
+    off = _offload(ref, num_slices=1)
+    _train_and_compare(ref, off, OPTIMIZERS["adam"], steps=3)
+
+
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+def test_parameters_shared_across_slices_match_plain_model(checkpoint_activation: bool) -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    ref = nn.Sequential(nn.Linear(6, 8), shared, nn.Tanh(), nn.Linear(8, 8), shared, nn.Linear(8, 3))
+    off = _offload(ref, num_slices=3, checkpoint_activation=checkpoint_activation, num_microbatches=2)
+    slice_of = [k for k, (a, b) in enumerate(off.slice_bounds) for _ in range(a, b)]
+    assert slice_of[1] != slice_of[4]  # the two uses are in different slices
+    _train_and_compare(ref, off, OPTIMIZERS["sgd_momentum"], steps=3)
+
+
+# ---------------------------------------------------------------------------- batches, attributes
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_batch_smaller_than_num_microbatches_uses_one_per_row(
+    batch: int, checkpoint_activation: bool
+) -> None:
+    ref = make_model()
+    off = _offload(ref, num_slices=3, checkpoint_activation=checkpoint_activation, num_microbatches=4)
+    rows: list[int] = []
+    off.module[0].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    _train_and_compare(ref, off, OPTIMIZERS["adam"], steps=2, batch=batch)
+    # one micro-batch per row, in forward (and in the recompute), for each of the two steps
+    assert rows == [1] * batch * 2 * (2 if checkpoint_activation else 1)
+    with torch.no_grad():
+        empty = torch.randn(0, 6)
+        assert_close(off(empty), ref(empty))
+
+
+def test_fairscale_attributes_read_the_options() -> None:
+    off = OffloadModel(make_model(), "cpu", num_slices=2, checkpoint_activation=True, num_microbatches=3)
+    assert (off.device, off.offload_device) == (CPU, CPU)
+    assert (off.num_slices, off.num_microbatches, off.checkpoint_activation) == (2, 3, True)
+    with pytest.raises(AttributeError):
+        off.num_slices = 3  # type: ignore[misc]
+
+
+def test_meta_devices_and_meta_models_are_refused() -> None:
+    with pytest.raises(ValueError, match="`device`=meta holds no values"):
+        OffloadModel(make_model(), "meta")
+    with pytest.raises(ValueError, match="`offload_device`=meta holds no values"):
+        OffloadModel(make_model(), CPU, offload_device=torch.device("meta"))
+    with pytest.raises(ValueError, match=r"'0\.weight' \(and 10 more\) is on the meta device.*to_empty"):
+        OffloadModel(make_model().to("meta"), CPU)
+
+
+# ---------------------------------------------------------------------------- pickling
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+def test_save_and_load_after_training_gives_a_working_model(checkpoint_activation: bool) -> None:
+    ref = make_model()
+    off = _offload(ref, num_slices=3, checkpoint_activation=checkpoint_activation, num_microbatches=2)
+    _train_and_compare(ref, off, OPTIMIZERS["sgd_momentum"], steps=1)  # device copies exist, size 0
+    buf = io.BytesIO()
+    torch.save(off, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    twin = copy.deepcopy(off)
+    for model in (loaded, twin):
+        assert isinstance(model, OffloadModel) and model.slice_bounds == off.slice_bounds
+        assert all(sl.device_params == [None] * len(sl.param_names) for sl in model._engine.slices)
+        x = torch.randn(5, 6)
+        with torch.no_grad():
+            assert_close(model(x), off(x), rtol=0, atol=0)
+    assert all(t.untyped_storage().size() == 0 for sl in off._engine.slices for t in sl.device_tensors())
+    ref_loaded, ref_twin = copy.deepcopy(ref), copy.deepcopy(ref)
+    _train_and_compare(ref, off, OPTIMIZERS["adam"], steps=2)  # the saved model still trains
+    _train_and_compare(ref_loaded, loaded, OPTIMIZERS["adam"], steps=2)
+    _train_and_compare(ref_twin, twin, OPTIMIZERS["adam"], steps=2)
+
+
+# ---------------------------------------------------------------------------- partial backward
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+def test_partial_backward_frees_the_slice_it_prefetched(checkpoint_activation: bool) -> None:
+    """autograd.grad over the last slice's parameters never reaches slice 1, which the last slice's
+    backward copied in; it is freed at the end of that backward, not at the next forward."""
+    ref = make_model()
+    off = _offload(ref, num_slices=3, checkpoint_activation=checkpoint_activation)
+    last = off.slice_bounds[-1][0]
+    x = torch.randn(4, 6)
+    g_ref = torch.autograd.grad(_loss(ref(x)), list(ref[last:].parameters()))
+    g_off = torch.autograd.grad(_loss(off(x)), list(off.module[last:].parameters()))
+    for a, b in zip(g_off, g_ref, strict=True):
+        assert_close(a, b, **TOL)
+    for sl in off._engine.slices:
+        assert sl.residency is Residency.OFFLOADED, sl.describe()
+        assert all(t.untyped_storage().size() == 0 for t in sl.device_tensors())
+    assert all(p.grad is None for p in off.parameters())
+    _train_and_compare(ref, off, OPTIMIZERS["sgd_momentum"], steps=2)
 
 
 def test_exported_from_package() -> None:
