@@ -278,79 +278,83 @@ def save_checkpoint(
     what = f"save_checkpoint({str(root)!r})"
     error = None
     blob = None
+    created = False
     if layout.rank == 0:
         try:
             if extra is not None:
                 blob = _serialize_extra(extra)
+            created = not root.exists()
             _prepare_directory(root)
             if layout.world_size > 1:
                 _write_atomically(root / PROBE, secrets.token_hex(16))
         except Exception as e:
             error = str(e) if isinstance(e, CheckpointError) else _error(e)
     agree(layout, error, what, exc_type=CheckpointError)
-    # every rank must see the directory rank 0 prepared (a per-rank name, or a disk only one node
-    # sees, would commit rank 0's files only); mount points may differ
-    if layout.world_size > 1:
-        try:
-            seen = (root / PROBE).read_text()
-        except OSError as e:
-            seen = f"unreadable: {type(e).__name__}"
-        try:
-            agree(layout, None, what, seen, CheckpointError, _SAME_PATH)
-        except CheckpointError:
-            if layout.rank == 0:
-                (root / PROBE).unlink(missing_ok=True)  # leave the directory as rank 0 found it
-            raise
-
-    error = None
     try:
-        state: dict[str, Any] = {_MODEL: sharded_state_dict(layout)}
-        if optimizer is not None:
-            state[_OPTIM] = sharded_optim_state_dict(layout, optimizer)
-        writer = FileSystemWriter(str(root), single_file_per_rank=True, sync_files=True)
-        dcp_save(state, storage_writer=writer, process_group=layout.group)
-    except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-        error = _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)
+        # every rank must see the directory rank 0 prepared (a per-rank name, or a disk only one node
+        # sees, would commit rank 0's files only); mount points may differ
+        if layout.world_size > 1:
+            try:
+                seen = (root / PROBE).read_text()
+            except OSError as e:
+                seen = f"unreadable: {type(e).__name__}"
+            agree(layout, None, what, seen, CheckpointError, _SAME_PATH)
 
-    error = None
-    if layout.rank == 0:
+        error = None
         try:
-            if blob is not None:
-                _write_atomically(root / EXTRA, blob)
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "world_size": layout.world_size,
-                "torch_version": torch.__version__,
-                "model_keys": list(layout.keys),
-                "aliases": {alias: s.name for s in layout.params for alias in s.aliases},
-                "has_optimizer": optimizer is not None,
-                "optimizer": _class_name(optimizer) if optimizer is not None else None,
-                "has_extra": extra is not None,
-                "wrap_plan": layout.fingerprint(),
-            }
-            _write_atomically(root / MANIFEST, json.dumps(manifest, indent=1))
-        except Exception as e:
+            state: dict[str, Any] = {_MODEL: sharded_state_dict(layout)}
+            if optimizer is not None:
+                state[_OPTIM] = sharded_optim_state_dict(layout, optimizer)
+            writer = FileSystemWriter(str(root), single_file_per_rank=True, sync_files=True)
+            dcp_save(state, storage_writer=writer, process_group=layout.group)
+        except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
             error = _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)  # every rank's data is on disk: the barrier
+        agree(layout, error, what, exc_type=CheckpointError)
 
-    error = None
-    if layout.rank == 0:
-        try:
+        error = None
+        if layout.rank == 0:
+            try:
+                if blob is not None:
+                    _write_atomically(root / EXTRA, blob)
+                manifest = {
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "world_size": layout.world_size,
+                    "torch_version": torch.__version__,
+                    "model_keys": list(layout.keys),
+                    "aliases": {alias: s.name for s in layout.params for alias in s.aliases},
+                    "has_optimizer": optimizer is not None,
+                    "optimizer": _class_name(optimizer) if optimizer is not None else None,
+                    "has_extra": extra is not None,
+                    "wrap_plan": layout.fingerprint(),
+                }
+                _write_atomically(root / MANIFEST, json.dumps(manifest, indent=1))
+            except Exception as e:
+                error = _error(e)
+        agree(layout, error, what, exc_type=CheckpointError)  # every rank's data is on disk: the barrier
+
+        error = None
+        if layout.rank == 0:
+            try:
+                (root / PROBE).unlink(missing_ok=True)
+                files = {p.name: p.stat().st_size for p in sorted(root.iterdir()) if p.is_file()}
+                marker = {
+                    "format": FORMAT,
+                    "checkpoint_id": secrets.token_hex(16),
+                    "saved_at_ns": time.time_ns(),
+                    "world_size": layout.world_size,
+                    "files": files,
+                }
+                _write_atomically(root / COMMIT_MARKER, json.dumps(marker, indent=1))
+            except Exception as e:
+                error = _error(e)
+        agree(layout, error, what, exc_type=CheckpointError)
+    except CheckpointError:
+        if layout.rank == 0:  # no probe left behind, and no directory this save created for nothing
             (root / PROBE).unlink(missing_ok=True)
-            files = {p.name: p.stat().st_size for p in sorted(root.iterdir()) if p.is_file()}
-            marker = {
-                "format": FORMAT,
-                "checkpoint_id": secrets.token_hex(16),
-                "saved_at_ns": time.time_ns(),
-                "world_size": layout.world_size,
-                "files": files,
-            }
-            _write_atomically(root / COMMIT_MARKER, json.dumps(marker, indent=1))
-        except Exception as e:
-            error = _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)
+            if created and root.is_dir() and not any(root.iterdir()):
+                root.rmdir()
+        raise
     log.info("saved checkpoint %s at world size %d", root, layout.world_size)
     return root
 

@@ -381,6 +381,8 @@ def _mismatched_use(tmp: str) -> dict[str, Any]:
     messages["extra_local"] = expect_error(
         CheckpointError, save_checkpoint, root / "extra", model, opt, Local()
     )
+    foreign = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # not over the model
+    messages["foreign"] = expect_error(CheckpointError, save_checkpoint, root / "foreign", model, foreign)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     messages["optimizer_class"] = expect_error(CheckpointError, load_checkpoint, a, model, sgd)
     # tensor and nested hyperparameters come back as they were
@@ -412,9 +414,7 @@ def _mismatched_use(tmp: str) -> dict[str, Any]:
         "meta": group["meta"],
         "scales": [float(t) for t in group["scales"]] if isinstance(group.get("scales"), list) else None,
         "committed": sorted(p.name for p in root.iterdir() if (p / COMMIT_MARKER).exists()),
-        "left": {
-            p.name: sorted(f.name for f in p.iterdir()) for p in root.iterdir() if p.name.startswith("step_")
-        },
+        "left": sorted(p.name for p in root.iterdir() if not (p / COMMIT_MARKER).exists()),
         "probes": sorted(str(p) for p in root.rglob(PROBE)),
     }
 
@@ -432,7 +432,8 @@ def test_checkpoints_used_inconsistently_fail_on_every_rank(pool: RankPool, tmp_
         assert r["scales"] == [1.0, 2.0]
         assert "not an inner one" in m["inner"]
         assert r["committed"] == ["a", "b", "hyper", "mounted"], r["committed"]
-        assert r["left"] == {"step_0": []}, "a refused save leaves only the empty directory rank 0 made"
+        assert m["foreign"], "an optimizer over other parameters is refused"
+        assert r["left"] == [], "a refused save leaves no directory it made (nor a probe) behind"
         assert r["probes"] == [], "the save probe is removed before the commit"
 
 
