@@ -274,7 +274,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
         )
-        nested = [w for _, outer in inner for w in outer._wrappers()]
+        nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
         try:
