@@ -365,13 +365,18 @@ def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     _SCANNED[optimizer] = key
 
 
+def _ensure_hook() -> None:
+    """Register the process-wide optimizer step pre-hook once."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+
+
 def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:
     """Mark the original parameters a wrapper flattened. See [Note: optimizers over flattened parameters]."""
     for fqn, p in owned:
         _FLATTENED[p] = fqn
     _MARKS[0] += 1
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+    _ensure_hook()
 
 
 @contextlib.contextmanager
@@ -380,8 +385,7 @@ def unsynced(root: Any, flat_params: Iterable[torch.Tensor]) -> Iterator[None]:
     key = id(root)
     previous = _UNSYNCED.get(key)
     _UNSYNCED[key] = frozenset(id(p) for p in flat_params)
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+    _ensure_hook()
     try:
         yield
     finally:
