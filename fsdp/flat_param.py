@@ -275,6 +275,32 @@ def collect_owned(
     return owned, module_of, inner
 
 
+# [Note: parameters added after wrapping]
+# A wrapped module holds no parameters of its own while idle (the flat parameters replaced them),
+# so one found there was added after wrapping: nothing shards or reduces it, and each rank would
+# train it on its own gradients. The root looks at its first forward, and again at a later forward
+# only when some module of the process registered a parameter or a submodule since its last look
+# (torch's global registration hooks bump a counter), so a step costs one integer comparison.
+_REGISTRATIONS = [0]
+_REGISTRATION_HOOKS: list[Any] = []
+
+
+def _count_registration(module: nn.Module, name: str, value: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def registrations() -> int:
+    """How many parameters and submodules were registered in this process (counted from the first call)."""
+    if not _REGISTRATION_HOOKS:
+        from torch.nn.modules import module as module_lib
+
+        _REGISTRATION_HOOKS.append(
+            module_lib.register_module_parameter_registration_hook(_count_registration)
+        )
+        _REGISTRATION_HOOKS.append(module_lib.register_module_module_registration_hook(_count_registration))
+    return _REGISTRATIONS[0]
+
+
 def check_no_parameters_added(module: nn.Module, is_wrapper: Callable[[nn.Module], bool], where: str) -> None:
     """Between wrapping and the first forward a wrapper's modules hold no parameters of their own
     (its flat parameters replace them): one found there was added after wrapping, and would train

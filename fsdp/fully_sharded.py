@@ -64,6 +64,7 @@ from fsdp.flat_param import (
     group_params,
     mark_flattened,
     own_parameters,
+    registrations,
     unsynced,
 )
 from fsdp.handle import (
@@ -110,6 +111,7 @@ class _RootContext:
     bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
     in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
+    registrations: int  # the process's registration count at the root's last look at its modules
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -121,6 +123,7 @@ class _RootContext:
         self.bucket_index = {}
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
         self.in_flight = collections.deque()
+        self.registrations = -1
 
     def finish_reductions(self) -> None:
         """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
@@ -408,6 +411,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
     def _lazy_init(self) -> None:
         """On the first forward of the outermost wrapper: become root, share one context, check ranks."""
         if self._ctx is not None:
+            if self._is_root and self._ctx.registrations != registrations():
+                self._check_modules(self._ctx.wrappers)  # See [Note: parameters added after wrapping]
             return
         wrappers = self._wrappers()
         for w in wrappers[1:]:
@@ -417,14 +422,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
                     "a root of its own. A wrapper nested in another must only run inside the outer wrapper's "
                     "forward: call forward on the outermost wrapper only (or do not nest it)"
                 )
-        for w in wrappers:
-            if w.training_state is TrainingState.IDLE:  # (a summon shows the full parameters as such)
-                check_no_parameters_added(
-                    w.module,
-                    lambda m: isinstance(m, FullyShardedDataParallel),
-                    wrapper_path(self, w) or "<root>",
-                )
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
+        self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
         rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
         for w in wrappers:
@@ -438,6 +437,35 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
         _make_bucketer(self, ctx)
+
+    def _check_modules(
+        self, wrappers: list[FullyShardedDataParallel], ctx: _RootContext | None = None
+    ) -> None:
+        """Refuse parameters or wrappers added under this root after wrapping. See [Note: parameters
+        added after wrapping]."""
+        ctx = ctx or self._ctx
+        assert ctx is not None
+        count = registrations()
+        now = self._wrappers()
+        if [id(w) for w in now] != [id(w) for w in wrappers]:
+            changed = [wrapper_path(self, w) for w in now if all(w is not old for old in wrappers)]
+            raise RuntimeError(
+                "FullyShardedDataParallel: the wrappers under this root changed after its first forward"
+                + (f" (new: {changed})" if changed else " (one was removed)")
+                + "; the root's schedule and rank checks were made for the wrappers it had. Change the model "
+                "before wrapping it"
+            )
+        for w in wrappers:
+            if w.training_state is TrainingState.IDLE:  # (a summon shows the full parameters as such)
+                for h in w.handles:
+                    if h._placeholders_set:  # a replaced attribute gets its own, sharper message
+                        h._check_placeholders()
+                check_no_parameters_added(
+                    w.module,
+                    lambda m: isinstance(m, FullyShardedDataParallel),
+                    wrapper_path(self, w) or "<root>",
+                )
+        ctx.registrations = count
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

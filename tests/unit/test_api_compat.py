@@ -357,6 +357,36 @@ def test_parameters_added_after_wrapping_are_refused_at_the_first_forward(single
         model(torch.ones(1, 2))
 
 
+def test_parameters_and_wrappers_added_after_the_first_forward_are_refused(single_rank_group: None) -> None:
+    head = nn.Linear(2, 3)  # built before the first forward: its registration is not what is seen
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
+    x = torch.ones(1, 2)
+    model(x).sum().backward()
+    assert model._ctx is not None
+    looked = model._ctx.registrations
+    model(x).sum().backward()
+    assert model._ctx.registrations == looked, "a training step registers nothing, so nothing is rescanned"
+    model.module[1] = head  # a replaced head after training started
+    with pytest.raises(
+        RuntimeError, match=r"\['1.weight', '1.bias'\] inside the wrapper at '<root>' were added"
+    ):
+        model(x)
+    model.module[1] = nn.ReLU()
+    model(x).sum().backward()  # nothing added any more: training goes on
+    model.module[1].extra = nn.Parameter(torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"\['1.extra'\] inside the wrapper at '<root>' were added"):
+        model(x)
+    del model.module[1].extra
+    model.module[0] = FSDP(nn.Linear(2, 2))
+    with pytest.raises(
+        RuntimeError, match=r"wrappers under this root changed after its first forward \(new: \['0'\]\)"
+    ):
+        model(x)
+    model.module[0] = nn.Identity()
+    with pytest.raises(RuntimeError, match="changed after its first forward \\(one was removed\\)"):
+        model(x)
+
+
 def test_an_optimizer_built_before_wrapping_is_refused_at_its_step(single_rank_group: None) -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     early = torch.optim.SGD(net.parameters(), lr=0.1)
