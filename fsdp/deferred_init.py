@@ -46,6 +46,27 @@ def materialize_(
     for fqn, p in owned:
         module_name, _, param_name = fqn.rpartition(".")
         names_of.setdefault(id(p), []).append((modules[module_name], param_name))
+    # the tensors before: an initialization that raises part-way leaves the unit on the meta
+    # device as it was, not half real (with uninitialized memory a second wrap would accept)
+    before = {id(m): (m, dict(m._parameters), dict(m._buffers)) for m in modules.values()}
+    try:
+        _materialize(names_of, modules, device, param_init_fn)
+    except BaseException as e:
+        for m, params, buffers in before.values():
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+        e.add_note("FullyShardedDataParallel: the module was left on the meta device, as it was before the wrap")
+        raise
+
+
+def _materialize(
+    names_of: dict[int, list[tuple[nn.Module, str]]],
+    modules: dict[str, nn.Module],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> None:
     replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialized successor
     seen: set[int] = set()
     for name, module in modules.items():

@@ -188,6 +188,45 @@ def test_param_init_fn_on_a_wrapper_that_owns_nothing_is_accepted(pool: RankPool
     assert pool.run(_root_owning_nothing) == [2 * (16 + 4)]
 
 
+def _init_failing_at_the_last(module: nn.Module) -> None:
+    if isinstance(module, nn.LayerNorm):
+        raise KeyError("no rule for LayerNorm")
+    _init(module)
+
+
+def _failed_init_leaves_meta() -> dict[str, object]:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    model[1].weight = model[0].weight  # tied: the successor is shared only at the end
+    notes: list[str] = []
+    try:
+        FSDP(model, param_init_fn=_init_failing_at_the_last)
+    except KeyError as e:
+        notes = getattr(e, "__notes__", [])
+    still_meta = all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    tied = model[1].weight is model[0].weight
+    wrapped = FSDP(model, param_init_fn=_init)  # the retry initializes every module
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    eager[1].weight = eager[0].weight
+    eager.apply(_init)
+    with wrapped.summon_full_params():
+        same = all(
+            torch.equal(a, b) for a, b in zip(wrapped.module.parameters(), eager.parameters(), strict=True)
+        )
+    return {"notes": notes, "still_meta": still_meta, "tied": tied, "same": same}
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_a_failed_param_init_fn_leaves_the_model_on_meta_for_a_retry(pool: RankPool) -> None:
+    (r,) = pool.run(_failed_init_leaves_meta)
+    assert r["notes"] == [
+        "FullyShardedDataParallel: the module was left on the meta device, as it was before the wrap"
+    ]
+    assert r["still_meta"], "nothing half materialized (uninitialized memory that a second wrap would accept)"
+    assert r["tied"]
+    assert r["same"], "the retry initializes every module"
+
+
 def _in_place_init(module: nn.Module) -> None:
     for p in module.parameters(recurse=False):
         p.fill_(0.5)  # in place on a leaf that requires grad: allowed only under no_grad
