@@ -57,7 +57,9 @@ def materialize_(
             m._parameters.update(params)
             m._buffers.clear()
             m._buffers.update(buffers)
-        e.add_note("FullyShardedDataParallel: the module was left on the meta device, as it was before the wrap")
+        e.add_note(
+            "FullyShardedDataParallel: the module was left on the meta device, as it was before the wrap"
+        )
         raise
 
 
