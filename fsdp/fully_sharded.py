@@ -69,6 +69,7 @@ from fsdp.flat_param import (
 )
 from fsdp.handle import (
     FlatParamHandle,
+    MemoryStats,
     clip_grad_norm_,
     finish_no_shard_buckets,
     free_unused_prefetches,
@@ -104,6 +105,7 @@ class _RootContext:
 
     device: DeviceHandle
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
+    memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
     wrappers: list[FullyShardedDataParallel]  # root first, then nested wrappers in module order
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
     sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
@@ -116,6 +118,7 @@ class _RootContext:
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
         self.stats = CommStats()
+        self.memory = MemoryStats()
         self.wrappers = wrappers
         self.callback_queued = False
         self.sync = True
@@ -431,6 +434,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
             w._is_root = w is self
             for h in w.handles:
                 h.stats = ctx.stats
+                ctx.memory.add(h.memory.current)  # (a summon before the first forward)
+                h.memory = ctx.memory
                 h.rs_bucketer = rs_bucketer
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
@@ -758,6 +763,30 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
     def reset_comm_stats(self) -> None:
         if self._ctx is not None:
             self._ctx.stats.reset()
+
+    def memory_stats(self) -> dict[str, int]:
+        """This rank's bytes in the whole tree: shards and their gradients, the full parameters,
+        and the buffers allocated to unshard, now and at the peak since the last reset."""
+        wrappers = self._ctx.wrappers if self._ctx is not None else self._wrappers()
+        handles = [h for w in wrappers for h in w.handles]
+        full = [h.spec.padded_numel * h.compute_dtype.itemsize for h in handles]
+        grads = [h.flat_param.grad for h in handles if h.flat_param.grad is not None]
+        memory = self._ctx.memory if self._ctx is not None else None
+        return {
+            "sharded_params": sum(
+                h.sharded_data().numel() * h.sharded_data().element_size() for h in handles
+            ),
+            "sharded_grads": sum(g.numel() * g.element_size() for g in grads),
+            "full_params": sum(full),
+            "largest_unit": max(full, default=0),
+            "unsharded": memory.current if memory is not None else sum(h.memory.current for h in handles),
+            "unsharded_peak": memory.peak if memory is not None else sum(h.memory.peak for h in handles),
+        }
+
+    def reset_memory_stats(self) -> None:
+        """Start the peak of ``memory_stats()["unsharded_peak"]`` over from the current value."""
+        if self._ctx is not None:
+            self._ctx.memory.reset()
 
     # ------------------------------------------------------------------ state dict
     def state_dict(

@@ -92,6 +92,7 @@ from fsdp.sharding import ShardSpec, shard_spec
 
 __all__ = [
     "FlatParamHandle",
+    "MemoryStats",
     "clip_grad_norm_",
     "finish_no_shard_buckets",
     "free_unused_prefetches",
@@ -99,15 +100,41 @@ __all__ = [
 ]
 
 
-def _free_storage(t: torch.Tensor) -> None:
-    if t.untyped_storage().size() != 0:
+def _free_storage(t: torch.Tensor) -> int:
+    """Free ``t``'s memory (its storage keeps existing, with size 0); return the bytes freed."""
+    size = t.untyped_storage().size()
+    if size != 0:
         t.untyped_storage().resize_(0)
+    return size
 
 
-def _alloc_storage(t: torch.Tensor) -> None:
+def _alloc_storage(t: torch.Tensor) -> int:
+    """Give ``t``'s storage its memory back; return the bytes allocated."""
     nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
+    size = t.untyped_storage().size()
+    if size != nbytes:
         t.untyped_storage().resize_(nbytes)
+    return nbytes - size
+
+
+class MemoryStats:
+    """Bytes of the buffers the handles of one tree allocate to unshard (full parameters in the
+    compute and the master dtype, a shard cast or copied for the all-gather), now and at the peak
+    since the last :meth:`reset`. Updated where the buffers are allocated and freed."""
+
+    __slots__ = ("current", "peak")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def reset(self) -> None:
+        self.peak = self.current
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
@@ -128,6 +155,7 @@ class FlatParamHandle:
     modules: list[nn.Module]  # owning module of each meta.params[i]
     shared_modules: list[nn.Module]  # owning module of each meta.shared[i]
     flat_param: nn.Parameter  # .data: _shard (SHARDED) or _active (UNSHARDED)
+    memory: MemoryStats  # unshard buffers of the tree (the root's, from its lazy init)
     state: MemoryState
     compute_dtype: torch.dtype  # dtype of the all-gather and of compute
     reduce_dtype: torch.dtype | None  # dtype of the gradient reduce-scatter (None: the gradient's)
@@ -167,6 +195,7 @@ class FlatParamHandle:
         self.meta = make_meta(entries, shared)
         self.comm = comm
         self.stats = stats
+        self.memory = MemoryStats()
         self.spec = shard_spec(self.meta.numel, comm.world_size, comm.rank)
         self.modules = [module_of[p.module_name] for p in self.meta.params]
         self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
@@ -278,7 +307,7 @@ class FlatParamHandle:
         self._gathering = None
         pending.wait()
         if self._lp_shard is not None:
-            _free_storage(self._lp_shard)
+            self.memory.add(-_free_storage(self._lp_shard))
         if buf is self._full:
             self._full_valid = True
         self._active = buf
@@ -296,7 +325,7 @@ class FlatParamHandle:
         self._adopt_user_data()
         if full_precision and self._full_precision is not None:
             buf = self._full_precision
-            _alloc_storage(buf)
+            self.memory.add(_alloc_storage(buf))
             if self.spec.world_size == 1:
                 buf.copy_(self._shard)
                 pending = Pending(None, buf)
@@ -308,7 +337,7 @@ class FlatParamHandle:
             if self.aliased or (self._full_valid and self._full_version == self.flat_param._version):
                 pending = Pending(None, buf)
             else:
-                _alloc_storage(buf)
+                self.memory.add(_alloc_storage(buf))
                 pending = self._gather_compute_(buf)
         self._gathering = (buf, pending)
 
@@ -320,7 +349,7 @@ class FlatParamHandle:
                 return Pending(self.copies.to_device(buf, self._shard), buf, (self._shard,))
             buf.copy_(self._shard)
             return Pending(None, buf)
-        _alloc_storage(self._lp_shard)
+        self.memory.add(_alloc_storage(self._lp_shard))
         # cast before the all-gather (half the bytes on the wire), and/or copy the offloaded shard in
         if self.copies is None:
             self._lp_shard.copy_(self._shard)
@@ -341,7 +370,7 @@ class FlatParamHandle:
         self.state = MemoryState.SHARDED
         self.remove_module_tensors()
         if self._full_precision is not None:
-            _free_storage(self._full_precision)
+            self.memory.add(-_free_storage(self._full_precision))
         self._active = self._full
         if free_full:
             self._free_full()
@@ -350,7 +379,7 @@ class FlatParamHandle:
 
     def _free_full(self) -> None:
         if not self.aliased:
-            _free_storage(self._full)
+            self.memory.add(-_free_storage(self._full))
             self._full_valid = False
 
     def _adopt_user_data(self) -> None:

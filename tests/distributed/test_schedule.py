@@ -258,3 +258,56 @@ def test_a_prefetched_unit_that_is_skipped_leaves_no_trace(pool: RankPool, grad_
         assert r["dtypes"] == ["torch.float32"] and r["unchanged"], r
         # an eval forward frees it at the root's end; after a training forward the next use takes it
         assert r["dangling_after_forward"] is grad_enabled, r
+
+
+def _memory(options: dict[str, Any]) -> dict[str, Any]:
+    """memory_stats() before, inside and after steps of three 16x16 units under a root."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[FSDP(nn.Linear(16, 16), **options) for _ in range(3)], nn.Linear(16, 2))
+    model = FSDP(net, **options)
+    seen: dict[str, Any] = {"before": model.memory_stats()}
+    inside: list[int] = []
+    net[1].module.register_forward_hook(lambda *_: inside.append(model.memory_stats()["unsharded"]))
+    x = torch.randn(4, 16)
+    for i in range(2):
+        model(x).sum().backward()
+        seen[f"step{i}"] = model.memory_stats()
+        model.reset_memory_stats()
+    seen["reset"] = model.memory_stats()
+    with model.summon_full_params():
+        seen["summon"] = model.memory_stats()
+    seen["inside_forward"] = inside
+    return seen
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_memory_stats_count_the_unsharded_buffers(pool: RankPool) -> None:
+    unit, root = 16 * 17 * 4, 2 * 17 * 4  # fp32 bytes of a 16x16 unit and of the root's 16x2 layer
+    full = 3 * unit + root
+    for r in pool.run(_memory, {}):
+        before = r["before"]
+        assert before == {
+            "sharded_params": full // 2,
+            "sharded_grads": 0,
+            "full_params": full,
+            "largest_unit": unit,
+            "unsharded": 0,
+            "unsharded_peak": 0,
+        }
+        for step in ("step0", "step1"):
+            # the root keeps its parameters through the forward; at most two inner units are
+            # gathered at once (the one computing and the prefetched next one), then all are freed
+            assert r[step]["unsharded_peak"] == root + 2 * unit, r[step]
+            assert r[step]["unsharded"] == 0 and r[step]["sharded_grads"] == full // 2, r[step]
+        assert r["reset"]["unsharded_peak"] == 0, "the peak starts over from the current value"
+        assert r["summon"]["unsharded"] == full, "summon gathers every unit in full precision"
+        assert all(root + unit <= b <= root + 2 * unit for b in r["inside_forward"]), r["inside_forward"]
+    for r in pool.run(_memory, {"reshard_after_forward": False}):
+        assert r["step0"]["unsharded_peak"] == full, (
+            "without resharding every unit stays gathered until backward"
+        )
+        assert r["inside_forward"] == [root + 2 * unit, root + 3 * unit], "the earlier units are kept"
+    for r in pool.run(_memory, {"reshard_after_forward": False, "mixed_precision": True}):
+        assert r["before"]["full_params"] == full // 2, "the compute-dtype full parameters are bf16"
+        assert full // 2 <= r["step0"]["unsharded_peak"] < full, r["step0"]
+        assert r["summon"]["unsharded"] == full, "summon gathers the fp32 masters"
