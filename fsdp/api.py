@@ -8,6 +8,7 @@ config instead of loose flags that only make sense together.
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,14 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = enum.auto()
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A fairscale on/off flag: a bool, or what fairscale's ``or`` accepts alike (``None``, 0, 1)."""
+    if value is None or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    _check_bool(name, value)
+    return bool(value)
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -232,10 +241,9 @@ class OffloadConfig:
     def from_flags(cls, move_params_to_cpu: Any, cpu_offload: Any, move_grads_to_cpu: Any) -> OffloadConfig:
         """fairscale's flags: ``cpu_offload`` is an older name of ``move_params_to_cpu``; ``None`` for
         ``move_grads_to_cpu`` follows them."""
-        _check_bool("move_params_to_cpu", move_params_to_cpu)
-        _check_bool("cpu_offload", cpu_offload)
-        params = move_params_to_cpu or cpu_offload
-        return cls(params, params if move_grads_to_cpu is None else move_grads_to_cpu)
+        params = _flag("move_params_to_cpu", move_params_to_cpu) or _flag("cpu_offload", cpu_offload)
+        grads = params if move_grads_to_cpu is None else _flag("move_grads_to_cpu", move_grads_to_cpu)
+        return cls(params, grads)
 
     def __post_init__(self) -> None:
         _check_bool("move_params_to_cpu", self.params_to_cpu)

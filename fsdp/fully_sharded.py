@@ -167,7 +167,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
     fsdp_config: FSDPConfig
     handles: list[FlatParamHandle]
     training_state: TrainingState
-    _ctx: _RootContext | None  # set at the root's lazy init; shared by the whole tree
+    _own_ctx: _RootContext | None  # the root's context (the root holds it)
+    _ctx_ref: weakref.ref[_RootContext] | None  # a nested wrapper's reference to its root's context
     _is_root: bool | None  # None until lazy init
     _outer: weakref.ref[FullyShardedDataParallel] | None  # the live wrapper built around this one
     _frozen: bool  # .to() / to_empty() pass this wrapper by (while an outer one materializes)
@@ -334,7 +335,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
                     self._make_post_backward_hook(handle)
                 )
         self.training_state = TrainingState.IDLE
-        self._ctx = None
+        self._own_ctx = self._ctx_ref = None
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False
@@ -407,6 +408,14 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         return self
 
     @property
+    def _ctx(self) -> _RootContext | None:
+        """The context shared by the tree, set at the root's lazy init. Nested wrappers refer to it
+        weakly, so a deleted root is freed and its inner wrappers may go under a new one."""
+        if self._own_ctx is not None:
+            return self._own_ctx
+        return self._ctx_ref() if self._ctx_ref is not None else None
+
+    @property
     def _inside_another(self) -> bool:
         return self._outer is not None and self._outer() is not None
 
@@ -430,8 +439,9 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
         rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
         for w in wrappers:
-            w._ctx = ctx
             w._is_root = w is self
+            w._own_ctx = ctx if w._is_root else None
+            w._ctx_ref = None if w._is_root else weakref.ref(ctx)
             for h in w.handles:
                 h.stats = ctx.stats
                 ctx.memory.add(h.memory.current)  # (a summon before the first forward)

@@ -146,7 +146,7 @@ def test_parameters_on_two_devices_are_refused(single_rank_group: None) -> None:
         ({"compute_device": "meta"}, ValueError, "`compute_device` cannot be the meta device"),
         ({"compute_device": 3.5}, TypeError, "must be a torch.device or a string"),
         ({"move_params_to_cpu": "yes"}, TypeError, "`move_params_to_cpu` must be a bool"),
-        ({"cpu_offload": 1}, TypeError, "`cpu_offload` must be a bool"),
+        ({"cpu_offload": 2}, TypeError, "`cpu_offload` must be a bool"),
     ],
 )
 def test_devices_and_offload_flags_are_checked_at_construction(
@@ -156,6 +156,20 @@ def test_devices_and_offload_flags_are_checked_at_construction(
     with pytest.raises(error, match=match):
         FSDP(module, **kwargs)
     assert isinstance(module.weight, nn.Parameter), "the module is left as it was"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "on"),
+    [
+        ({"cpu_offload": None}, False),
+        ({"move_params_to_cpu": None, "cpu_offload": 1}, True),
+        ({"move_params_to_cpu": 0, "move_grads_to_cpu": None}, False),
+        ({"move_params_to_cpu": 1, "move_grads_to_cpu": 1}, True),
+    ],
+)
+def test_offload_flags_take_what_fairscale_takes(single_rank_group: None, kwargs: dict, on: bool) -> None:
+    model = FSDP(nn.Linear(2, 2), **kwargs)  # fairscale resolves them with `or`: None and 0/1 work there
+    assert model.move_params_to_cpu is on and model.move_grads_to_cpu is on
 
 
 def test_not_a_module(single_rank_group: None) -> None:
@@ -346,6 +360,30 @@ def test_a_module_wrapped_twice_is_refused(single_rank_group: None) -> None:
     del outer
     gc.collect()
     FSDP(seq)  # once the first outer wrapper is gone, the inner ones may be wrapped again
+
+
+def test_inner_wrappers_of_a_deleted_root_that_ran_go_under_a_new_root(single_rank_group: None) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    ref = copy.deepcopy(net)
+    net[0], net[1] = FSDP(net[0]), FSDP(net[1])
+    x = torch.randn(2, 4)
+    outer = FSDP(net)
+    outer(x).sum().backward()  # the inner wrappers now belong to this root's context
+    ref(x).sum().backward()  # (its gradients stay, as the inner wrappers' do)
+    gone = weakref.ref(outer)
+    del outer
+    gc.collect()
+    assert gone() is None, "nested wrappers do not keep their deleted root alive"
+    outer = FSDP(net, reshard_after_forward=False)
+    opt, ref_opt = torch.optim.SGD(outer.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, o in ((outer, opt), (ref, ref_opt)):
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    with torch.no_grad():
+        torch.testing.assert_close(outer(x), ref(x), rtol=0, atol=1e-6)
 
 
 def test_parameters_added_after_wrapping_are_refused_at_the_first_forward(single_rank_group: None) -> None:
