@@ -404,6 +404,21 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
                         f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
                         "/ compute_dtype / compute_device"
                     )
+            for name, original in w._buffer_dtypes.items():  # moved to compute_device, cast to buffer_dtype
+                try:
+                    b = w.module.get_buffer(name)
+                except AttributeError:  # (removed since)
+                    continue
+                probe = fn(b)
+                if probe.device != b.device or (probe.dtype != b.dtype and b.dtype != original):
+                    path = wrapper_path(self, w)
+                    name = name if path == "<root>" else f"{path}.{name}"
+                    raise RuntimeError(
+                        f"FullyShardedDataParallel: .float() / .half() / .to() / .cuda() after wrapping would make "
+                        f"the buffer {name!r} {probe.dtype} on {probe.device}; the wrapper keeps it "
+                        f"{b.dtype} on {b.device} (buffer_dtype / compute_device). Cast or move the module before "
+                        "wrapping it, or set buffer_dtype"
+                    )
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         return self
 

@@ -499,6 +499,11 @@ def test_casting_or_moving_after_wrapping_is_refused_before_anything_changes(sin
     assert model.module[1].running_mean.dtype == torch.float32, "no buffer was cast either"
     assert model.cpu().float().to("cpu") is model  # calls that change nothing stay allowed
     model(torch.ones(3, 2)).sum().backward()
+    mixed = FSDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), mixed_precision=True)
+    with pytest.raises(RuntimeError, match=r"would make the buffer '1\.running_mean' torch\.float32 on cpu"):
+        mixed.float()  # the fp32 flat parameters do not change, the fp16 buffers would
+    assert mixed.module[1].running_mean.dtype == torch.float16
+    mixed(torch.ones(3, 2))
 
 
 def test_a_state_dict_with_an_extra_prefix_gets_a_hint(single_rank_group: None) -> None:
