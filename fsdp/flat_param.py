@@ -184,7 +184,13 @@ _METADATA_METHODS = frozenset(
         torch.Tensor.is_contiguous,
     }
     | {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__len__, torch.Tensor.__hash__}
-    | {torch.Tensor.get_device}
+    | {
+        torch.Tensor.get_device,
+        torch.Tensor.ndimension,
+        torch.numel,
+        torch.is_floating_point,
+        torch.is_complex,
+    }
 )
 
 
@@ -197,7 +203,8 @@ class _ShardedPlaceholder(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         descriptor = getattr(func, "__self__", None)
         attr = getattr(descriptor, "__name__", None) if func.__name__ in ("__get__", "__set__") else None
-        if func in _METADATA_METHODS or (func.__name__ == "__get__" and attr in _METADATA_ATTRS):
+        metadata = func in _METADATA_METHODS or (func.__name__ == "__get__" and attr in _METADATA_ATTRS)
+        if metadata or (func is torch.Tensor.type and len(args) == 1 and not kwargs):  # (.type(): a name)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         name = next((a._fsdp_name for a in args if isinstance(a, _ShardedPlaceholder)), "a parameter")

@@ -466,6 +466,12 @@ class FlatParamHandle:
     def remove_module_tensors(self) -> None:
         """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
         self._placeholders_set = True
+        if self._placeholders and self._placeholders[0].requires_grad != self.flat_param.requires_grad:
+            # (``root.requires_grad_(False)`` reached the flat parameter): the stand-ins follow
+            self._placeholders = [
+                make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
+                for info in self.meta.params
+            ]
         for info, module, placeholder in zip(self.meta.params, self.modules, self._placeholders, strict=True):
             set_module_tensor(module, info.param_name, placeholder, as_parameter=False)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):

@@ -449,7 +449,10 @@ def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata
     model(torch.ones(2, 4)).sum().backward()
     weight = model.module[0].weight
     assert (weight.shape, weight.dtype, weight.requires_grad) == ((3, 4), torch.float32, True)
+    assert (weight.ndimension(), torch.numel(weight), torch.is_floating_point(weight)) == (2, 12, True)
+    assert weight.type().endswith("FloatTensor")
     attempts = {
+        "type()": lambda: weight.type(torch.float64),  # a cast, not a name
         "zero_()": lambda: nn.init.zeros_(weight),  # would have been ignored silently
         "requires_grad_()": lambda: weight.requires_grad_(False),
         "setting .requires_grad": lambda: setattr(weight, "requires_grad", False),
@@ -465,6 +468,18 @@ def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata
         nn.init.zeros_(model.module[0].weight)
     with model.summon_full_params():
         assert torch.count_nonzero(model.module[0].weight) == 0
+
+
+def test_sharded_parameters_show_requires_grad_set_on_the_root(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
+    model(torch.ones(1, 2)).sum().backward()
+    for flag in (False, True):
+        model.requires_grad_(flag)  # reaches the flat parameters; the stand-ins follow at the next reshard
+        model(torch.ones(1, 2))
+        assert [model.module[0].module.weight.requires_grad, model.module[1].bias.requires_grad] == [
+            flag,
+            flag,
+        ]
 
 
 def test_a_parameter_replaced_after_the_first_forward_is_refused(single_rank_group: None) -> None:

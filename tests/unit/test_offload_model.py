@@ -678,6 +678,29 @@ def test_module_used_several_times_matches_plain_model(num_slices: int, checkpoi
         assert_close(t_off, t_ref, **TOL, msg=name)
 
 
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x.unflatten(1, (2, 3)))[0].flatten(1)
+
+
+@pytest.mark.parametrize("checkpoint_activation", [False, True])
+def test_recurrent_layer_computes_with_the_device_copies(checkpoint_activation: bool) -> None:
+    """An LSTM reads its weights through ``_flat_weights``, not its attributes: it must follow the swap."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), _Recurrent(), nn.Linear(8, 3))
+    off = _offload(ref, num_slices=3, checkpoint_activation=checkpoint_activation, num_microbatches=2)
+    lstm = off.module[1].lstm
+    masters = {id(p) for p in lstm.parameters()}
+    used: list[bool] = []
+    lstm.register_forward_hook(lambda m, *_: used.append(any(id(w) in masters for w in m._flat_weights)))
+    _train_and_compare(ref, off, OPTIMIZERS["adam"], steps=2, ref_microbatches=2)
+    assert used and not any(used), "the LSTM computed with its master weights"
+
+
 @pytest.mark.parametrize("checkpoint_activation", [False, True])
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 @pytest.mark.parametrize("num_slices", [1, 3])
