@@ -301,8 +301,6 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         precision = config.precision
         self._fsdp_wrapped_module = module
         self._outer = None
-        for _, w in inner:
-            w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
         stats = CommStats()
@@ -339,6 +337,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False
+        for _, w in inner:  # last: a constructor that raised leaves its inner wrappers free
+            w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ module forwarding

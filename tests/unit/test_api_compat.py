@@ -386,6 +386,23 @@ def test_inner_wrappers_of_a_deleted_root_that_ran_go_under_a_new_root(single_ra
         torch.testing.assert_close(outer(x), ref(x), rtol=0, atol=1e-6)
 
 
+def test_a_constructor_that_raised_leaves_the_inner_wrappers_free(
+    single_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net = nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2))
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise MemoryError("no room for the flat parameter")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fsdp.fully_sharded, "FlatParamHandle", out_of_memory)
+        with pytest.raises(MemoryError) as failed:  # its traceback keeps the half-built wrapper alive
+            FSDP(net)
+    assert failed.value.__traceback__ is not None
+    model = FSDP(net)  # a retry (in a notebook, say) is not told the inner wrapper belongs to another
+    model(torch.ones(1, 2)).sum().backward()
+
+
 def test_parameters_added_after_wrapping_are_refused_at_the_first_forward(single_rank_group: None) -> None:
     model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
     model.module[1] = nn.Linear(2, 3)  # a replaced head: its parameters would train unreduced
