@@ -186,7 +186,7 @@ def main() -> None:
         )
         for name in models:
             vs_torch = statistics.median(ratios[name]) if name in ratios else 1.0
-            q1, _, q3 = statistics.quantiles(ratios[name], n=4) if name in ratios else (1.0, 1.0, 1.0)
+            q1, _, q3 = _quartiles(ratios[name]) if name in ratios else (1.0, 1.0, 1.0)
             iqr = f"({q1:.3f}-{q3:.3f})"
             print(
                 f"{name:<12} {1000 * statistics.median(slowest[name]):>10.1f} {vs_torch:>12.3f} {iqr:>15} "
@@ -199,7 +199,7 @@ def main() -> None:
             "allreduce_calls_per_step": calls,
             "median_step_s": {k: statistics.median(v) for k, v in slowest.items()},
             "median_ratio_vs_torch_ddp": {k: statistics.median(v) for k, v in ratios.items()},
-            "quartiles_ratio_vs_torch_ddp": {k: statistics.quantiles(v, n=4) for k, v in ratios.items()},
+            "quartiles_ratio_vs_torch_ddp": {k: _quartiles(v) for k, v in ratios.items()},
             "median_ratio_vs_local": {k: statistics.median(v) for k, v in ratio_local.items()},
             "per_round_ratio_vs_torch_ddp": ratios,
             "per_round_step_s": slowest,
@@ -210,7 +210,14 @@ def main() -> None:
         }
         Path(args.out).write_text(json.dumps(summary, indent=1))
         print(f"wrote {args.out}")
+    dist.barrier()  # all ranks are done with their collectives
+    time.sleep(0.1)  # let gloo release them before teardown (see getting-started.md, "Finishing")
     dist.destroy_process_group()
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """Quartiles; one round has none to speak of, so its value stands for all three."""
+    return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
 
 
 if __name__ == "__main__":

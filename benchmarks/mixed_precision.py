@@ -98,6 +98,8 @@ def main() -> None:
                 f"{result['reduce_scatter_bytes_per_step'][k]:22,d}"
             )
         print(f"median paired ratio bf16/fp32 step time: {result['median_ratio_bf16_over_fp32']}")
+    dist.barrier()  # all ranks are done with their collectives
+    time.sleep(0.1)  # let gloo release them before teardown (see getting-started.md, "Finishing")
     dist.destroy_process_group()
 
 

@@ -246,6 +246,8 @@ def main() -> int:
         args.out.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
     if own_group:
+        dist.barrier()  # all ranks are done with their collectives
+        time.sleep(0.1)  # let gloo release them before teardown (see getting-started.md, "Finishing")
         dist.destroy_process_group()
     return 0
 

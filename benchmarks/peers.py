@@ -814,7 +814,8 @@ def main() -> None:
             + ("" if args.no_plot else f", {out / 'peers.png'}")
         )
         print(f"wall time {result['wall_s']:.0f} s")
-    dist.barrier()  # every rank done with its groups before any tears them down
+    dist.barrier()  # all ranks are done with their collectives
+    time.sleep(0.1)  # let gloo release them before teardown (see getting-started.md, "Finishing")
     dist.destroy_process_group()
 
 

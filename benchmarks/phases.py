@@ -119,7 +119,8 @@ def main() -> None:
     dist.all_gather_object(gathered, records)
     if rank == 0:
         report(args, names, gathered)
-    dist.barrier()  # every rank done with its groups before any tears them down
+    dist.barrier()  # all ranks are done with their collectives
+    time.sleep(0.1)  # let gloo release them before teardown (see getting-started.md, "Finishing")
     dist.destroy_process_group()
 
 

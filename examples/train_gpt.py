@@ -467,7 +467,8 @@ def main() -> None:
             f"loss: start {curve['train'][0]:.4f} -> end {curve['train'][-1]:.4f} (val {curve['val'][-1]:.4f})"
         )
 
-    dist.barrier()  # every rank is done with its collectives before the group is torn down
+    dist.barrier()  # all ranks are done with their collectives
+    time.sleep(0.1)  # let gloo release them before teardown (see getting-started.md, "Finishing")
     dist.destroy_process_group()
 
 
