@@ -385,6 +385,7 @@ def main() -> None:
         curve.update(resumed["curve"])
         step_losses.extend(resumed["step_losses"])
     gathered_bytes = 0  # bytes all-gathered by training steps (evaluation excluded)
+    peak_gathered = 0  # the most parameter bytes gathered at once in a training step (memory_stats)
     t0 = time.perf_counter()
     pbar = tqdm(
         range(start_iter, args.max_iters),
@@ -403,12 +404,14 @@ def main() -> None:
 
         x, y = get_batch(train_data, args.batch_size, args.block_size, train_gen, device)  # (B, T) each
         model.reset_comm_stats()
+        model.reset_memory_stats()
         _, loss = model(x, y)
         scaler.scale(loss).backward()  # FSDP reduce-scatters: each rank gets the mean gradient of its shard
         scaler.step(optimizer)  # updates this rank's shards only (skipped on every rank after an overflow)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         gathered_bytes += model.comm_stats()["all_gather"]["bytes"]
+        peak_gathered = max(peak_gathered, model.memory_stats()["unsharded_peak"])
 
         if is_main:
             step_losses.append(loss.item())
@@ -421,6 +424,7 @@ def main() -> None:
     pbar.close()
     record(args.max_iters)
     train_s = time.perf_counter() - t0
+    memory = model.memory_stats()  # this rank's bytes: shards, their gradients, full parameters
 
     # ---- checkpoint: every rank must call state_dict() (it all-gathers); rank 0 writes it ----------
     state_dict = model.state_dict()
@@ -453,6 +457,7 @@ def main() -> None:
             "device": device.type,
             "train_seconds": round(train_s, 2),
             "all_gather_bytes_per_step": gathered_bytes // max(1, args.max_iters - start_iter),
+            "memory_bytes": {**memory, "peak_gathered_in_a_step": peak_gathered},
             **curve,
             "step_loss_rank0": [round(v, 4) for v in step_losses],
         }
@@ -462,6 +467,11 @@ def main() -> None:
         print(
             f"train time {train_s:.1f}s ({1000 * train_s / max(1, args.max_iters - start_iter):.0f} ms/iter incl. evals), "
             f"{args.dtype}: {gathered_bytes / max(1, args.max_iters - start_iter) / 2**20:.2f} MiB all-gathered per step per rank"
+        )
+        print(
+            f"parameters per rank: {memory['sharded_params'] / 2**20:.2f} MiB of shards; "
+            f"{memory['full_params'] / 2**20:.2f} MiB in full, of which at most "
+            f"{peak_gathered / 2**20:.2f} MiB were gathered at once in a step"
         )
         print(
             f"loss: start {curve['train'][0]:.4f} -> end {curve['train'][-1]:.4f} (val {curve['val'][-1]:.4f})"

@@ -37,6 +37,8 @@ def test_the_example_runs_on_one_rank_without_torchrun(tmp_path: Path, strategy:
     curve, _ = _train(tmp_path, "--max-iters", "4", "--strategy", strategy)
     assert curve["config"]["strategy"] == strategy and curve["world_size"] == 1
     assert curve["iter"][-1] == 4 and all(0 < loss < 10 for loss in curve["train"])
+    memory = curve["memory_bytes"]  # one rank: the shards are the whole model, nothing is gathered
+    assert memory["sharded_params"] == memory["full_params"] > 0 and memory["peak_gathered_in_a_step"] == 0
     resumed, printed = _train(tmp_path, "--max-iters", "6", "--strategy", strategy, "--resume")
     assert "at step 4" in printed, "the second run starts where the first one's checkpoint left off"
     assert resumed["iter"][: len(curve["iter"])] == curve["iter"] and resumed["iter"][-1] == 6
