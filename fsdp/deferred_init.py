@@ -12,6 +12,7 @@ values (each then keeps its own slice).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -57,9 +58,10 @@ def materialize_(
             m._parameters.update(params)
             m._buffers.clear()
             m._buffers.update(buffers)
-        e.add_note(
-            "FullyShardedDataParallel: the module was left on the meta device, as it was before the wrap"
-        )
+        if sys.version_info >= (3, 11):  # (notes are new in 3.11)
+            e.add_note(
+                "FullyShardedDataParallel: the module was left on the meta device, as it was before the wrap"
+            )
         raise
 
 
