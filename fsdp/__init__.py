@@ -3,7 +3,14 @@
 Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the design.
 """
 
-from fsdp.api import MixedPrecision, ProcessGroupName, ShardingStrategy, TrainingState
+from fsdp.api import (
+    CPUOffload,
+    MixedPrecision,
+    ProcessGroupName,
+    ShardingStrategy,
+    StateDictType,
+    TrainingState,
+)
 from fsdp.checkpoint import checkpoint_wrapper
 from fsdp.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.data_parallel import DistributedDataParallel
@@ -23,6 +30,7 @@ from fsdp.wrap import (
 
 __all__ = [
     "FSDP",
+    "CPUOffload",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "MixedPrecision",
@@ -30,6 +38,7 @@ __all__ = [
     "ProcessGroupName",
     "ShardedGradScaler",
     "ShardingStrategy",
+    "StateDictType",
     "TrainingState",
     "auto_wrap",
     "auto_wrap_bn",

@@ -1,29 +1,188 @@
-"""The state-dict and optimizer-state methods of the wrapper beyond the full state dict, mixed into it.
+"""The state-dict and optimizer-state methods of the wrapper, mixed into it.
 
 Each is a thin call into ``fsdp/state_dict.py`` or ``fsdp/optim_state.py`` over the wrapper tree's
 :class:`~fsdp.state_layout.Layout` (``_state_layout()``, which the wrapper provides).
+``state_dict()`` and ``load_state_dict()`` follow the wrapper's :class:`~fsdp.api.StateDictType`
+(torch FSDP's ``state_dict_type`` context); the default is the full state dict.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
+from fsdp.api import StateDictType, TrainingState
 
 __all__ = ["StateDictMethods"]
 
 
 class StateDictMethods:
-    """Local, sharded and consolidated state dicts; optimizer state gathered, sharded or in DCP form."""
+    """Full, local, sharded and consolidated state dicts; optimizer state gathered, sharded or in DCP form."""
+
+    # provided by the wrapper
+    _state_dict_type: StateDictType  # what state_dict() / load_state_dict() mean; see state_dict_type()
+    _state_dict_options: tuple[torch.device | None, bool] | None  # a torch FullStateDictConfig's, while set
+    _fsdp_wrapped_module: nn.Module
+    _buffer_dtypes: dict[str, torch.dtype]
+    handles: list[Any]
+    fsdp_config: Any
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def compute_device(self) -> torch.device:
+        raise NotImplementedError
 
     def _state_layout(self) -> Any:
         """Where every original parameter and buffer of this wrapper tree lives (the wrapper's)."""
         raise NotImplementedError
+
+    def _wrappers(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _full_params_shown(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _state_dict_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _full_state_dict_options(self) -> tuple[torch.device, bool]:
+        """Where the full state dict's tensors go and whether only rank 0 keeps them: the
+        constructor's options, unless a ``state_dict_type`` context gave a config."""
+        device, rank0_only = self._state_dict_device(), self.fsdp_config.state_dict.state_dict_on_rank_0_only
+        if self._state_dict_options is not None:
+            given, rank0_only = self._state_dict_options
+            device = given or device
+        return device, rank0_only
+
+    # ------------------------------------------------------------------ torch FSDP's state_dict_type
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> Iterator[None]:
+        """Inside, ``state_dict()`` and ``load_state_dict()`` of every wrapper in ``module`` mean
+        ``state_dict_type``; each wrapper's own setting comes back on exit. As in torch FSDP; a
+        ``state_dict_config`` with ``offload_to_cpu`` / ``rank0_only`` (torch's
+        ``FullStateDictConfig``) applies to the full state dict."""
+        wrappers = _wrappers_in(module)
+        before = [(w, w._state_dict_type, w._state_dict_options) for w in wrappers]
+        StateDictMethods.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            for w, kind, options in before:
+                w._state_dict_type, w._state_dict_options = kind, options
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> StateDictType:
+        """Make ``state_dict()`` / ``load_state_dict()`` of every wrapper in ``module`` mean
+        ``state_dict_type`` from now on; return the previous type (of the first wrapper)."""
+        if not isinstance(state_dict_type, StateDictType):
+            raise TypeError(
+                f"FullyShardedDataParallel.state_dict_type: expected a fsdp.StateDictType, got {state_dict_type!r}"
+            )
+        if optim_state_dict_config is not None:
+            raise NotImplementedError(
+                "FullyShardedDataParallel.state_dict_type: optim_state_dict_config is not supported; the "
+                "optimizer state comes from gather_full_optim_state_dict() or sharded_optim_state_dict()"
+            )
+        options = None
+        if state_dict_config is not None:
+            offload = bool(getattr(state_dict_config, "offload_to_cpu", False))
+            rank0_only = bool(getattr(state_dict_config, "rank0_only", False))
+            if state_dict_type is not StateDictType.FULL_STATE_DICT and (offload or rank0_only):
+                raise NotImplementedError(
+                    f"FullyShardedDataParallel.state_dict_type: offload_to_cpu / rank0_only apply to "
+                    f"FULL_STATE_DICT only, not {state_dict_type.name}"
+                )
+            options = (torch.device("cpu") if offload else None, rank0_only)
+        wrappers = _wrappers_in(module)
+        previous = wrappers[0]._state_dict_type
+        for w in wrappers:
+            w._state_dict_type, w._state_dict_options = state_dict_type, options
+        return previous
+
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        """Full, unsharded state dict with the unwrapped module's keys (under another
+        ``state_dict_type``: the local or the sharded one). Collective: all ranks call it.
+
+        Each wrapper gathers only its own parameters while its part is written, so at most one
+        unit (and its ancestors) is full at a time. Inside ``summon_full_params()`` the shown full
+        parameters are used as they are (in-place changes not yet written back included), as in
+        fairscale. ``destination, prefix, keep_vars`` may also come positionally (with torch's
+        deprecation warning), as ``nn.Module.state_dict`` still allows.
+        """
+        if args:
+            destination, prefix, keep_vars = sd_impl.positional_args(args, destination, prefix, keep_vars)
+        if self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            return self.local_state_dict(destination, prefix, keep_vars)
+        if self._state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            out = destination if destination is not None else OrderedDict()
+            out.update((prefix + k, v) for k, v in self.sharded_state_dict().items())
+            return out
+        top = destination is None
+        if top:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        device, rank0_only = self._full_state_dict_options()
+        keep = not rank0_only or self.rank == 0
+        with self._full_params_shown():
+            self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
+        if top:
+            if not keep:
+                destination.clear()
+            elif device != self.compute_device:  # buffers too
+                for key, value in destination.items():
+                    if isinstance(value, torch.Tensor):
+                        destination[key] = value.to(device)
+        return destination
+
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        strict: bool = True,  # type: ignore[override]
+        assign: bool = False,
+    ) -> NamedTuple:
+        """Load a full state dict with the unwrapped module's keys (under another ``state_dict_type``:
+        the local or the sharded one). Collective: all ranks call it.
+
+        Like ``state_dict()``, each wrapper gathers its parameters only while its part loads.
+        """
+        if assign:
+            raise NotImplementedError(
+                "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
+            )
+        if self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            return self.load_local_state_dict(state_dict, strict)
+        if self._state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            return self.load_sharded_state_dict(state_dict, strict)
+        wrappers = self._wrappers()
+        for w in wrappers:
+            w.assert_state(TrainingState.IDLE)
+        return sd_impl.load_full_state_dict(self, wrappers, self._state_layout(), state_dict, strict)
 
     def local_state_dict(
         self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
@@ -98,3 +257,12 @@ class StateDictMethods:
     ) -> None:
         """Load a :meth:`sharded_optim_state_dict` (saved at any world size) into ``optim``. Collective."""
         optim_impl.load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
+
+
+def _wrappers_in(module: nn.Module) -> list[StateDictMethods]:
+    wrappers: list[StateDictMethods] = [m for m in module.modules() if isinstance(m, StateDictMethods)]
+    if not wrappers:
+        raise ValueError(
+            f"FullyShardedDataParallel.state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel"
+        )
+    return wrappers

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CPUOffload",
     "CommConfig",
     "FSDPConfig",
     "MemoryState",
@@ -27,6 +28,7 @@ __all__ = [
     "ShardingConfig",
     "ShardingStrategy",
     "StateDictConfig",
+    "StateDictType",
     "TrainingState",
 ]
 
@@ -81,6 +83,31 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = enum.auto()
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` and ``load_state_dict()`` of a wrapper mean (torch FSDP's names), chosen
+    with :meth:`FullyShardedDataParallel.state_dict_type` or ``set_state_dict_type``.
+
+    - ``FULL_STATE_DICT`` (the default, fairscale's only kind): full tensors under the unwrapped
+      model's names; loads at any world size.
+    - ``LOCAL_STATE_DICT``: this rank's flat shards (``local_state_dict()``); loads only at the same
+      world size and wrap plan.
+    - ``SHARDED_STATE_DICT``: each parameter as a row-sharded ``DTensor`` under its unwrapped name
+      (``sharded_state_dict()``), for ``torch.distributed.checkpoint``; loads at any world size.
+    """
+
+    FULL_STATE_DICT = enum.auto()
+    LOCAL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """torch FSDP's offload option: ``cpu_offload=CPUOffload(offload_params=True)`` is
+    ``move_params_to_cpu=True`` (the gradients follow the parameters)."""
+
+    offload_params: bool = False
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -241,6 +268,8 @@ class OffloadConfig:
     def from_flags(cls, move_params_to_cpu: Any, cpu_offload: Any, move_grads_to_cpu: Any) -> OffloadConfig:
         """fairscale's flags: ``cpu_offload`` is an older name of ``move_params_to_cpu``; ``None`` for
         ``move_grads_to_cpu`` follows them."""
+        if isinstance(cpu_offload, CPUOffload):  # torch FSDP's spelling
+            cpu_offload = cpu_offload.offload_params
         params = _flag("move_params_to_cpu", move_params_to_cpu) or _flag("cpu_offload", cpu_offload)
         grads = params if move_grads_to_cpu is None else _flag("move_grads_to_cpu", move_grads_to_cpu)
         return cls(params, grads)

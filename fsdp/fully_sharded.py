@@ -21,9 +21,8 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from fsdp.api import (
     ShardingConfig,
     ShardingStrategy,
     StateDictConfig,
+    StateDictType,
     TrainingState,
     default_gradient_predivide_factor,
 )
@@ -334,6 +334,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
                 )
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
+        self._state_dict_type, self._state_dict_options = StateDictType.FULL_STATE_DICT, None
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False
@@ -813,58 +814,6 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         if self._ctx is not None:
             self._ctx.memory.reset()
 
-    # ------------------------------------------------------------------ state dict
-    def state_dict(
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
-    ) -> Any:
-        """Full, unsharded state dict with the unwrapped module's keys. Collective: all ranks call it.
-
-        Each wrapper gathers only its own parameters while its part is written, so at most one
-        unit (and its ancestors) is full at a time. Inside ``summon_full_params()`` the shown full
-        parameters are used as they are (in-place changes not yet written back included), as in
-        fairscale. ``destination, prefix, keep_vars`` may also come positionally (with torch's
-        deprecation warning), as ``nn.Module.state_dict`` still allows.
-        """
-        if args:
-            destination, prefix, keep_vars = sd_impl.positional_args(args, destination, prefix, keep_vars)
-        top = destination is None
-        if top:
-            destination = OrderedDict()
-            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-        cfg = self.fsdp_config.state_dict
-        device = self._state_dict_device()
-        keep = not cfg.state_dict_on_rank_0_only or self.rank == 0
-        with self._full_params_shown():
-            self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-            sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
-        if top:
-            if not keep:
-                destination.clear()
-            elif device != self.compute_device:  # buffers too
-                for key, value in destination.items():
-                    if isinstance(value, torch.Tensor):
-                        destination[key] = value.to(device)
-        return destination
-
-    def load_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        strict: bool = True,  # type: ignore[override]
-        assign: bool = False,
-    ) -> NamedTuple:
-        """Load a full state dict with the unwrapped module's keys. Collective: all ranks call it.
-
-        Like ``state_dict()``, each wrapper gathers its parameters only while its part loads.
-        """
-        if assign:
-            raise NotImplementedError(
-                "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
-            )
-        wrappers = self._wrappers()
-        for w in wrappers:
-            w.assert_state(TrainingState.IDLE)
-        return sd_impl.load_full_state_dict(self, wrappers, self._state_layout(), state_dict, strict)
-
     # ------------------------------------------------------------------ gradient accumulation and clipping
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; also drops what ``no_sync()`` accumulated in this subtree."""
@@ -921,7 +870,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
                 "inner one: it acts on the whole model"
             )
 
-    # ------------------------------------------------------------------ state dicts beyond the full one
+    # ------------------------------------------------------------------ state dicts
     # The methods are in fsdp/_state_methods.py; their bodies in fsdp/state_dict.py and fsdp/optim_state.py.
     def _state_layout(self) -> Any:
         """Where every original parameter and buffer of this wrapper tree lives (a ``fsdp.state_dict.Layout``).

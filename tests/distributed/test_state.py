@@ -338,6 +338,73 @@ def test_state_dict_on_rank_0_only_and_device(pool: RankPool) -> None:
         assert r["devices"] == ["meta"], "state_dict_device moves every value"
 
 
+def _state_dict_types() -> dict[str, object]:
+    from torch.distributed.fsdp import FullStateDictConfig  # torch's config, read by duck typing
+
+    from fsdp import StateDictType
+
+    rank = dist.get_rank()
+    ref = build("nested", seed=1)
+    model = wrap(copy.deepcopy(ref), ("body",))
+    out: dict[str, object] = {"rank": rank, "n_keys": len(ref.state_dict())}
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        out["rank0_only_keys"] = len(model.state_dict())
+    out["after_keys"] = len(model.state_dict())  # the constructor's options again: every rank
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()
+        out["local_is_local"] = list(local) == list(model.local_state_dict())
+        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+        out["sharded_keys_plain"] = sorted(sharded) == sorted(ref.state_dict())
+        out["sharded_is_dtensor"] = all(
+            type(v).__name__ == "DTensor" for k, v in sharded.items() if k in dict(ref.named_parameters())
+        )
+        snapshot = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sharded.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(snapshot)  # back to the saved values
+    out["sharded_roundtrip"] = all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values())
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    previous = FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)  # lasting, torch's setter
+    model.load_state_dict(saved)
+    FSDP.set_state_dict_type(model, previous)
+    out["local_roundtrip"] = all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values())
+    )
+    errors = []
+    for call in (
+        lambda: FSDP.state_dict_type(model, "full").__enter__(),
+        lambda: FSDP.state_dict_type(ref, StateDictType.FULL_STATE_DICT).__enter__(),
+        lambda: FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, object()).__enter__(),
+    ):
+        try:
+            call()
+        except (TypeError, ValueError, NotImplementedError) as e:
+            errors.append(type(e).__name__)
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_state_dict_type_switches_what_state_dict_means(pool: RankPool) -> None:
+    for r in pool.run(_state_dict_types):
+        assert r["rank0_only_keys"] == (r["n_keys"] if r["rank"] == 0 else 0), (
+            "FullStateDictConfig(rank0_only)"
+        )
+        assert r["after_keys"] == r["n_keys"], "the context restores the wrapper's own setting"
+        assert r["local_is_local"] and r["local_roundtrip"]
+        assert r["sharded_keys_plain"] and r["sharded_is_dtensor"] and r["sharded_roundtrip"]
+        assert r["errors"] == ["TypeError", "ValueError", "NotImplementedError"]
+
+
 def _summon() -> dict[str, object]:
     rank = dist.get_rank()
     ref = build("tied", seed=2)

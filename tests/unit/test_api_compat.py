@@ -165,6 +165,8 @@ def test_devices_and_offload_flags_are_checked_at_construction(
         ({"move_params_to_cpu": None, "cpu_offload": 1}, True),
         ({"move_params_to_cpu": 0, "move_grads_to_cpu": None}, False),
         ({"move_params_to_cpu": 1, "move_grads_to_cpu": 1}, True),
+        ({"cpu_offload": fsdp.CPUOffload(offload_params=True)}, True),  # torch FSDP's spelling
+        ({"cpu_offload": fsdp.CPUOffload()}, False),
     ],
 )
 def test_offload_flags_take_what_fairscale_takes(single_rank_group: None, kwargs: dict, on: bool) -> None:
