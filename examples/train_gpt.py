@@ -250,7 +250,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         # with an in-process store (no ports, no environment variables).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         local_rank, local_world = 0, 1
-        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one machine of one rank (HYBRID_SHARD reads it)
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # one machine of one rank (HYBRID_SHARD reads it)
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

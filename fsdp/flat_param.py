@@ -287,7 +287,9 @@ def collect_owned(
 # so one found there was added after wrapping: nothing shards or reduces it, and each rank would
 # train it on its own gradients. The root looks at its first forward, and again at a later forward
 # only when some module of the process registered a parameter or a submodule since its last look
-# (torch's global registration hooks bump a counter), so a step costs one integer comparison.
+# (torch's global registration hooks bump a counter), so a step costs one integer comparison. A
+# model whose forward builds modules (``nn.GELU()`` in forward) moves the counter every step, and
+# pays a walk of the module tree per forward.
 _REGISTRATIONS = [0]
 _REGISTRATION_HOOKS: list[Any] = []
 

@@ -405,13 +405,17 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
                         f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
                         "/ compute_dtype / compute_device"
                     )
+            cast_to = w.fsdp_config.precision.buffer_dtype
             for name, original in w._buffer_dtypes.items():  # moved to compute_device, cast to buffer_dtype
                 try:
                     b = w.module.get_buffer(name)
                 except AttributeError:  # (removed since)
                     continue
+                if b is None:  # (set to None since: nothing to move)
+                    continue
+                cast = cast_to is not None and b.dtype == cast_to != original  # the wrapper cast it
                 probe = fn(b)
-                if probe.device != b.device or (probe.dtype != b.dtype and b.dtype != original):
+                if probe.device != b.device or (probe.dtype != b.dtype and cast):
                     path = wrapper_path(self, w)
                     name = name if path == "<root>" else f"{path}.{name}"
                     raise RuntimeError(
@@ -460,7 +464,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
             w._ctx_ref = None if w._is_root else weakref.ref(ctx)
             for h in w.handles:
                 h.stats = ctx.stats
-                ctx.memory.add(h.memory.current)  # (a summon before the first forward)
+                ctx.memory.add(h.unshard_bytes())  # (kept from a summon, or from an earlier root)
                 h.memory = ctx.memory
                 h.rs_bucketer = rs_bucketer
         sharding = self.fsdp_config.sharding
@@ -805,14 +809,18 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
             "sharded_grads": sum(g.numel() * g.element_size() for g in grads),
             "full_params": sum(full),
             "largest_unit": max(full, default=0),
-            "unsharded": memory.current if memory is not None else sum(h.memory.current for h in handles),
-            "unsharded_peak": memory.peak if memory is not None else sum(h.memory.peak for h in handles),
+            "unsharded": memory.current if memory is not None else sum(h.unshard_bytes() for h in handles),
+            "unsharded_peak": memory.peak if memory is not None else sum(m.peak for m in _distinct(handles)),
         }
 
     def reset_memory_stats(self) -> None:
         """Start the peak of ``memory_stats()["unsharded_peak"]`` over from the current value."""
         if self._ctx is not None:
             self._ctx.memory.reset()
+            return
+        wrappers = self._wrappers()
+        for memory in _distinct([h for w in wrappers for h in w.handles]):
+            memory.reset()
 
     # ------------------------------------------------------------------ gradient accumulation and clipping
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -899,6 +907,11 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _distinct(handles: list[FlatParamHandle]) -> list[MemoryStats]:
+    """The handles' memory counters, each once (before a root's lazy init each handle has its own)."""
+    return list({id(h.memory): h.memory for h in handles}.values())
 
 
 def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list[FullyShardedDataParallel]:

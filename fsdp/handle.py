@@ -283,6 +283,12 @@ class FlatParamHandle:
         assert self.state is MemoryState.UNSHARDED, "full data read while sharded"
         return self._active[: self.meta.numel]
 
+    def unshard_bytes(self) -> int:
+        """The bytes this handle's unshard buffers hold now (what :class:`MemoryStats` counts)."""
+        held = [] if self.aliased else [self._full]
+        held += [t for t in (self._full_precision, self._lp_shard) if t is not None]
+        return sum(t.untyped_storage().size() for t in held)
+
     # ------------------------------------------------------------------ verbs
     def unshard(self, full_precision: bool = False) -> None:
         """All-gather the full flat parameter and make it ``flat_param.data``. Collective.
@@ -435,7 +441,7 @@ class FlatParamHandle:
         views = unflatten_views(source, self.meta, before_concat)
         for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
             if as_parameters:
-                view = nn.Parameter(view, requires_grad=self.requires_grad)
+                view = nn.Parameter(view, requires_grad=self.flat_param.requires_grad)
             set_module_tensor(module, info.param_name, view, as_parameters)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
             primary = self.modules[sinfo.primary]

@@ -388,6 +388,24 @@ def test_inner_wrappers_of_a_deleted_root_that_ran_go_under_a_new_root(single_ra
         torch.testing.assert_close(outer(x), ref(x), rtol=0, atol=1e-6)
 
 
+def test_memory_stats_count_what_is_held_after_a_new_root(single_rank_group: None) -> None:
+    options = {"mixed_precision": True, "reshard_after_forward": False}
+    a, b = FSDP(nn.Linear(8, 8), **options), FSDP(nn.Linear(8, 8), **options)
+    x = torch.randn(4, 8)
+    root = FSDP(nn.Sequential(a, b), **options)
+    root(x)  # no backward: both inner units keep their fp16 full parameters
+    unit = 72 * 2  # a 8x8 layer's weight and bias in fp16
+    assert root.memory_stats()["unsharded"] == 2 * unit
+    del root
+    gc.collect()
+    assert a.memory_stats()["unsharded"] == unit, "an inner wrapper counts what its own handles hold"
+    a.reset_memory_stats()
+    root = FSDP(nn.Sequential(a, b), **options)
+    root(x).float().sum().backward()
+    assert root.memory_stats()["unsharded"] == 0, "the new root starts from the bytes really held"
+    assert root.memory_stats()["unsharded_peak"] == 2 * unit
+
+
 def test_a_constructor_that_raised_leaves_the_inner_wrappers_free(
     single_rank_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -499,6 +517,8 @@ def test_sharded_parameters_show_requires_grad_set_on_the_root(single_rank_group
             flag,
             flag,
         ]
+        with model.summon_full_params():
+            assert {p.requires_grad for p in model.parameters()} == {flag}
 
 
 def test_a_parameter_replaced_after_the_first_forward_is_refused(single_rank_group: None) -> None:
@@ -538,6 +558,11 @@ def test_casting_or_moving_after_wrapping_is_refused_before_anything_changes(sin
         mixed.float()  # the fp32 flat parameters do not change, the fp16 buffers would
     assert mixed.module[1].running_mean.dtype == torch.float16
     mixed(torch.ones(3, 2))
+    plain = FSDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    plain.module[1].running_mean = torch.zeros(2, dtype=torch.float64)  # the user's dtype, not a cast
+    plain.module[1].running_var = None  # a buffer cleared to None stays registered
+    assert plain.float().to("cpu") is plain
+    assert plain.module[1].running_mean.dtype == torch.float32, ".float() did what it does on a plain module"
 
 
 def test_a_state_dict_with_an_extra_prefix_gets_a_hint(single_rank_group: None) -> None:

@@ -18,7 +18,7 @@ TINY += ["--eval-interval", "2", "--eval-iters", "1", "--corpus-chars", "20000",
 
 def _train(out: Path, *args: str) -> tuple[dict, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("LOCAL_WORLD_SIZE", None)
+    env["LOCAL_WORLD_SIZE"] = "2"  # left over in a shell: one plain python process is one rank all the same
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY, "--out-dir", str(out), *args],
         cwd=ROOT,
