@@ -33,6 +33,7 @@ from fsdp import state_dict as sd_impl
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._fairscale_attrs import FairscaleAttributes
 from fsdp._state_methods import StateDictMethods
+from fsdp._stats_methods import StatsMethods
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -134,7 +135,7 @@ class _RootContext:
             self.in_flight.popleft().finalize_gradient(asynchronous=True)
 
 
-class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module):
+class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMethods, nn.Module):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel``: the constructor takes the same keyword
@@ -784,44 +785,6 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
         if ctx is not None:  # the NO_SHARD bucket engine was built with the old factors
             _make_bucketer(ctx.wrappers[0], ctx)
 
-    # ------------------------------------------------------------------ statistics
-    def comm_stats(self) -> dict[str, dict[str, Any]]:
-        """Collective calls, elements and bytes of the whole tree since the last reset."""
-        stats = self._ctx.stats if self._ctx is not None else None
-        return stats.as_dict() if stats is not None else CommStats().as_dict()
-
-    def reset_comm_stats(self) -> None:
-        if self._ctx is not None:
-            self._ctx.stats.reset()
-
-    def memory_stats(self) -> dict[str, int]:
-        """This rank's bytes in the whole tree: shards and their gradients, the full parameters,
-        and the buffers allocated to unshard, now and at the peak since the last reset."""
-        wrappers = self._ctx.wrappers if self._ctx is not None else self._wrappers()
-        handles = [h for w in wrappers for h in w.handles]
-        full = [h.spec.padded_numel * h.compute_dtype.itemsize for h in handles]
-        grads = [h.flat_param.grad for h in handles if h.flat_param.grad is not None]
-        memory = self._ctx.memory if self._ctx is not None else None
-        return {
-            "sharded_params": sum(
-                h.sharded_data().numel() * h.sharded_data().element_size() for h in handles
-            ),
-            "sharded_grads": sum(g.numel() * g.element_size() for g in grads),
-            "full_params": sum(full),
-            "largest_unit": max(full, default=0),
-            "unsharded": memory.current if memory is not None else sum(h.unshard_bytes() for h in handles),
-            "unsharded_peak": memory.peak if memory is not None else sum(m.peak for m in _distinct(handles)),
-        }
-
-    def reset_memory_stats(self) -> None:
-        """Start the peak of ``memory_stats()["unsharded_peak"]`` over from the current value."""
-        if self._ctx is not None:
-            self._ctx.memory.reset()
-            return
-        wrappers = self._wrappers()
-        for memory in _distinct([h for w in wrappers for h in w.handles]):
-            memory.reset()
-
     # ------------------------------------------------------------------ gradient accumulation and clipping
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; also drops what ``no_sync()`` accumulated in this subtree."""
@@ -907,11 +870,6 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, nn.Module)
 
 
 FSDP = FullyShardedDataParallel
-
-
-def _distinct(handles: list[FlatParamHandle]) -> list[MemoryStats]:
-    """The handles' memory counters, each once (before a root's lazy init each handle has its own)."""
-    return list({id(h.memory): h.memory for h in handles}.values())
 
 
 def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list[FullyShardedDataParallel]:

@@ -1,0 +1,70 @@
+"""The wrapper's statistics methods, mixed into it: collectives counted and unshard memory.
+
+The counters live in the root's context (``fsdp.collectives.CommStats`` and
+``fsdp.handle.MemoryStats``), shared by every wrapper of the tree; these methods read and reset them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp.collectives import CommStats
+from fsdp.handle import FlatParamHandle, MemoryStats
+
+__all__ = ["StatsMethods"]
+
+
+class StatsMethods:
+    """``comm_stats()``, ``memory_stats()`` and their resets."""
+
+    # provided by the wrapper
+    handles: list[FlatParamHandle]
+
+    @property
+    def _ctx(self) -> Any:
+        raise NotImplementedError
+
+    def _wrappers(self) -> list[Any]:
+        raise NotImplementedError
+
+    def comm_stats(self) -> dict[str, dict[str, Any]]:
+        """Collective calls, elements and bytes of the whole tree since the last reset."""
+        stats = self._ctx.stats if self._ctx is not None else None
+        return stats.as_dict() if stats is not None else CommStats().as_dict()
+
+    def reset_comm_stats(self) -> None:
+        if self._ctx is not None:
+            self._ctx.stats.reset()
+
+    def memory_stats(self) -> dict[str, int]:
+        """This rank's bytes in the whole tree: shards and their gradients, the full parameters,
+        and the buffers allocated to unshard, now and at the peak since the last reset."""
+        wrappers = self._ctx.wrappers if self._ctx is not None else self._wrappers()
+        handles = [h for w in wrappers for h in w.handles]
+        full = [h.spec.padded_numel * h.compute_dtype.itemsize for h in handles]
+        grads = [h.flat_param.grad for h in handles if h.flat_param.grad is not None]
+        memory = self._ctx.memory if self._ctx is not None else None
+        return {
+            "sharded_params": sum(
+                h.sharded_data().numel() * h.sharded_data().element_size() for h in handles
+            ),
+            "sharded_grads": sum(g.numel() * g.element_size() for g in grads),
+            "full_params": sum(full),
+            "largest_unit": max(full, default=0),
+            "unsharded": memory.current if memory is not None else sum(h.unshard_bytes() for h in handles),
+            "unsharded_peak": memory.peak if memory is not None else sum(m.peak for m in _distinct(handles)),
+        }
+
+    def reset_memory_stats(self) -> None:
+        """Start the peak of ``memory_stats()["unsharded_peak"]`` over from the current value."""
+        if self._ctx is not None:
+            self._ctx.memory.reset()
+            return
+        wrappers = self._wrappers()
+        for memory in _distinct([h for w in wrappers for h in w.handles]):
+            memory.reset()
+
+
+def _distinct(handles: list[FlatParamHandle]) -> list[MemoryStats]:
+    """The handles' memory counters, each once (before a root's lazy init each handle has its own)."""
+    return list({id(h.memory): h.memory for h in handles}.values())
