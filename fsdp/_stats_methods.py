@@ -29,8 +29,7 @@ class StatsMethods:
 
     def comm_stats(self) -> dict[str, dict[str, Any]]:
         """Collective calls, elements and bytes of the whole tree since the last reset."""
-        stats = self._ctx.stats if self._ctx is not None else None
-        return stats.as_dict() if stats is not None else CommStats().as_dict()
+        return (self._ctx.stats if self._ctx is not None else CommStats()).as_dict()
 
     def reset_comm_stats(self) -> None:
         if self._ctx is not None:
@@ -39,15 +38,13 @@ class StatsMethods:
     def memory_stats(self) -> dict[str, int]:
         """This rank's bytes in the whole tree: shards and their gradients, the full parameters,
         and the buffers allocated to unshard, now and at the peak since the last reset."""
-        wrappers = self._ctx.wrappers if self._ctx is not None else self._wrappers()
-        handles = [h for w in wrappers for h in w.handles]
+        handles = self._tree_handles()
         full = [h.spec.padded_numel * h.compute_dtype.itemsize for h in handles]
+        shards = [h.sharded_data() for h in handles]
         grads = [h.flat_param.grad for h in handles if h.flat_param.grad is not None]
         memory = self._ctx.memory if self._ctx is not None else None
         return {
-            "sharded_params": sum(
-                h.sharded_data().numel() * h.sharded_data().element_size() for h in handles
-            ),
+            "sharded_params": sum(t.numel() * t.element_size() for t in shards),
             "sharded_grads": sum(g.numel() * g.element_size() for g in grads),
             "full_params": sum(full),
             "largest_unit": max(full, default=0),
@@ -60,9 +57,12 @@ class StatsMethods:
         if self._ctx is not None:
             self._ctx.memory.reset()
             return
-        wrappers = self._wrappers()
-        for memory in _distinct([h for w in wrappers for h in w.handles]):
+        for memory in _distinct(self._tree_handles()):
             memory.reset()
+
+    def _tree_handles(self) -> list[FlatParamHandle]:
+        wrappers = self._ctx.wrappers if self._ctx is not None else self._wrappers()
+        return [h for w in wrappers for h in w.handles]
 
 
 def _distinct(handles: list[FlatParamHandle]) -> list[MemoryStats]:
