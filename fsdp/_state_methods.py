@@ -19,6 +19,7 @@ from torch import nn
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
 from fsdp.api import StateDictType, TrainingState
+from fsdp.consistency import WRAPPED
 
 __all__ = ["StateDictMethods"]
 
@@ -175,6 +176,10 @@ class StateDictMethods:
             raise NotImplementedError(
                 "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
             )
+        with sd_impl.own_load():
+            return self._load_state_dict(state_dict, strict)
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
         if self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
             return self.load_local_state_dict(state_dict, strict)
         if self._state_dict_type is StateDictType.SHARDED_STATE_DICT:
@@ -183,6 +188,48 @@ class StateDictMethods:
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
         return sd_impl.load_full_state_dict(self, wrappers, self._state_layout(), state_dict, strict)
+
+    # [Note: loading through a plain parent]
+    # ``parent.load_state_dict(sd)`` on a plain module that holds a wrapper never calls the
+    # wrapper's ``load_state_dict``: torch walks the tree calling ``_load_from_state_dict`` on every
+    # module, under the raw names (``0._fsdp_wrapped_module.1.weight``), while the state dict uses
+    # the plain ones (``0.1.weight``) of whichever kind ``state_dict()`` wrote. So the outermost
+    # wrapper on the walk loads its whole part with its own ``load_state_dict`` (which follows the
+    # state dict type), wrappers inside it do nothing, and a post hook drops what the walk then
+    # reports as missing under raw names inside the wrapper (buffers of inner modules): that part
+    # was loaded, and any key really missing is reported under its plain name.
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if sd_impl.own_load_running():  # the walk of our own full load: torch's default
+            nn.Module._load_from_state_dict(
+                self,  # type: ignore[arg-type]
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
+            return
+        if WRAPPED + "." in prefix:
+            return  # an outer wrapper on this walk loaded this one's part
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise NotImplementedError(
+                "FullyShardedDataParallel: load_state_dict(assign=True) is not supported, also from a parent module"
+            )
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = self.load_state_dict(mine, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)  # type: ignore[attr-defined]
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)  # type: ignore[attr-defined]
 
     def local_state_dict(
         self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False

@@ -32,10 +32,12 @@ shapes, row-sharded DTensors), so its checkpoints and ours load into each other.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -45,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.api import TrainingState
-from fsdp.consistency import plain_name
+from fsdp.consistency import WRAPPED, plain_name
 from fsdp.handle import FlatParamHandle
 
 # The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
@@ -82,6 +84,7 @@ __all__ = [
     "consolidate_shard_weights",
     "describe",
     "digest_of",
+    "drop_inner_missing_keys",
     "empty_sharded",
     "gather_full_flat",
     "load_local_state_dict",
@@ -89,6 +92,8 @@ __all__ = [
     "local_metadata_dict",
     "local_state_dict",
     "own_full_values",
+    "own_load",
+    "own_load_running",
     "row_range",
     "shard_writes",
     "sharded_state_dict",
@@ -102,6 +107,35 @@ log = logging.getLogger(__name__)
 
 LOCAL_STATE_KEY = "_fsdp_local_state"  # identity entry of a local state dict
 FORMAT_VERSION = 1
+
+
+# ---------------------------------------------------------------------- loading through a plain parent
+# See [Note: loading through a plain parent] in fsdp/_state_methods.py.
+_own_load = threading.local()  # .depth > 0 while a wrapper's load_state_dict runs on this thread
+
+
+@contextlib.contextmanager
+def own_load() -> Iterator[None]:
+    """Marks a wrapper's own ``load_state_dict`` (torch's walk inside it is not a parent's)."""
+    _own_load.depth = own_load_running() + 1
+    try:
+        yield
+    finally:
+        _own_load.depth -= 1
+
+
+def own_load_running() -> int:
+    return int(getattr(_own_load, "depth", 0))
+
+
+def drop_inner_missing_keys(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load post hook of every wrapper: a parent's walk reports the buffers inside a wrapper as
+    missing under their raw names, though the wrapper loaded them (a key really missing is
+    reported under its plain name)."""
+    if not own_load_running():
+        incompatible_keys.missing_keys[:] = [
+            k for k in incompatible_keys.missing_keys if WRAPPED + "." not in k
+        ]
 
 
 # ---------------------------------------------------------------------- local state dict
@@ -569,7 +603,8 @@ def _user_code_above_a_unit(root: nn.Module, wrappers: Sequence[Any]) -> bool:
             above.update(".".join(parts[:i]) for i in range(len(parts)))
     for name in above:
         m = modules[name]
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+        post_hooks = [h for h in m._load_state_dict_post_hooks.values() if h is not drop_inner_missing_keys]
+        if m._load_state_dict_pre_hooks or post_hooks:
             return True
         if id(m) not in is_wrapper and type(m)._load_from_state_dict is not nn.Module._load_from_state_dict:
             return True

@@ -405,6 +405,78 @@ def test_state_dict_type_switches_what_state_dict_means(pool: RankPool) -> None:
         assert r["errors"] == ["TypeError", "ValueError", "NotImplementedError"]
 
 
+def _plain_parent_loads() -> dict[str, object]:
+    """A plain module holding wrappers: its own load_state_dict() takes what its state_dict() wrote."""
+    from fsdp import StateDictType
+
+    torch.manual_seed(3)
+    body = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Sequential(nn.Linear(6, 6), nn.ReLU()))
+    ref = nn.Sequential(body, nn.Linear(6, 2))
+    ref[0][1].running_mean.uniform_()  # a buffer inside a wrapper, not at its default
+    parent = copy.deepcopy(ref)
+    parent[0][2] = FSDP(parent[0][2])
+    parent[0] = FSDP(parent[0])  # the parent itself stays a plain nn.Sequential
+    parent(torch.randn(4, 5)).sum().backward()  # lazy init: each wrapper child is a root
+    expected = {k: v.clone() for k, v in parent.state_dict().items()}
+
+    def scramble() -> None:
+        with torch.no_grad():
+            for p in parent.parameters():
+                p.add_(1.0)
+            parent[0].module[1].running_mean.zero_()
+
+    def same_as_ref() -> bool:
+        got = parent.state_dict()
+        return sorted(got) == sorted(ref.state_dict()) and all(
+            torch.equal(got[k], v) for k, v in expected.items()
+        )
+
+    out: dict[str, object] = {}
+    results = {}
+    for kind in (
+        StateDictType.FULL_STATE_DICT,
+        StateDictType.LOCAL_STATE_DICT,
+        StateDictType.SHARDED_STATE_DICT,
+    ):
+        with FSDP.state_dict_type(parent, kind):
+            saved = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in parent.state_dict().items()
+            }
+        scramble()
+        with FSDP.state_dict_type(parent, kind):
+            result = parent.load_state_dict(saved)
+        results[kind.name] = (list(result.missing_keys), list(result.unexpected_keys), same_as_ref())
+    out["results"] = results
+    full = expected
+    broken = {("0.2.0.weightx" if k == "0.2.0.weight" else k): v for k, v in full.items()}
+    result = parent.load_state_dict(broken, strict=False)
+    out["lenient"] = (sorted(result.missing_keys), sorted(result.unexpected_keys))
+    try:
+        parent.load_state_dict(broken)
+        out["strict"] = "loaded"
+    except RuntimeError as e:
+        out["strict"] = str(e)
+    try:
+        parent.load_state_dict(full, assign=True)
+        out["assign"] = "loaded"
+    except NotImplementedError as e:
+        out["assign"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_plain_parent_loads_what_it_saved(pool: RankPool) -> None:
+    for r in pool.run(_plain_parent_loads):
+        for kind, (missing, unexpected, same) in r["results"].items():
+            assert (missing, unexpected) == ([], []), kind
+            assert same, f"{kind}: the parent's load_state_dict restored every parameter and buffer"
+        assert r["lenient"] == (["0.2.0.weight"], ["0.2.0.weightx"]), "keys reported under plain names"
+        assert 'Missing key(s) in state_dict: "0.2.0.weight"' in r["strict"]
+        assert "_fsdp_wrapped_module" not in r["strict"]
+        assert "assign=True" in r["assign"]
+
+
 def _summon() -> dict[str, object]:
     rank = dist.get_rank()
     ref = build("tied", seed=2)
