@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fsdp import collectives
+from fsdp._compile import run_eagerly_under_compile
 from fsdp._device import DeviceHandle, default_compute_device
 from fsdp.buckets import BucketConfig, BucketLayout, GradBucketer, MissingGradientError
 from fsdp.collectives import CommStats
@@ -169,6 +170,7 @@ class DistributedDataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        run_eagerly_under_compile()  # See [Note: torch.compile]
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
         if shared_param is not None:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.profiler import record_function as _record_function
 
 from fsdp import state_dict as sd_impl
+from fsdp._compile import run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._fairscale_attrs import FairscaleAttributes
 from fsdp._state_methods import StateDictMethods
@@ -210,6 +211,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         limit_all_gathers: bool = True,
     ) -> None:
         super().__init__()
+        run_eagerly_under_compile()  # See [Note: torch.compile]
         self._frozen = False
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")

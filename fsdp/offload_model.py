@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp._compile import run_eagerly_under_compile
 from fsdp._device import DeviceHandle, default_compute_device, device_available
 from fsdp._offload_engine import OffloadConfig, _Engine, _SliceFunction
 from fsdp._offload_slice import Residency, _Slice
@@ -162,6 +163,7 @@ class OffloadModel(nn.Module):
         num_microbatches: int = 1,
     ) -> None:
         super().__init__()
+        run_eagerly_under_compile()  # See [Note: torch.compile]
         if not isinstance(model, nn.Sequential):
             raise TypeError(
                 f"OffloadModel needs an nn.Sequential, got {type(model).__name__}; express the model as "
