@@ -8,6 +8,7 @@ from fsdp.api import (
     MixedPrecision,
     ProcessGroupName,
     ShardingStrategy,
+    StateDictSettings,
     StateDictType,
     TrainingState,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "ProcessGroupName",
     "ShardedGradScaler",
     "ShardingStrategy",
+    "StateDictSettings",
     "StateDictType",
     "TrainingState",
     "auto_wrap",

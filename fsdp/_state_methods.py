@@ -18,8 +18,7 @@ from torch import nn
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
-from fsdp.api import StateDictType, TrainingState
-from fsdp.consistency import WRAPPED
+from fsdp.api import StateDictSettings, StateDictType, TrainingState
 
 __all__ = ["StateDictMethods"]
 
@@ -28,8 +27,9 @@ class StateDictMethods:
     """Full, local, sharded and consolidated state dicts; optimizer state gathered, sharded or in DCP form."""
 
     # provided by the wrapper
-    _state_dict_type: StateDictType  # what state_dict() / load_state_dict() mean; see state_dict_type()
-    _state_dict_options: tuple[torch.device | None, bool] | None  # a torch FullStateDictConfig's, while set
+    _state_dict_settings: (
+        StateDictSettings  # what state_dict() / load_state_dict() mean; see state_dict_type()
+    )
     _fsdp_wrapped_module: nn.Module
     _buffer_dtypes: dict[str, torch.dtype]
     handles: list[Any]
@@ -56,14 +56,31 @@ class StateDictMethods:
     def _state_dict_device(self) -> torch.device:
         raise NotImplementedError
 
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        return self._state_dict_settings.state_dict_type
+
     def _full_state_dict_options(self) -> tuple[torch.device, bool]:
         """Where the full state dict's tensors go and whether only rank 0 keeps them: the
         constructor's options, unless a ``state_dict_type`` context gave a config."""
         device, rank0_only = self._state_dict_device(), self.fsdp_config.state_dict.state_dict_on_rank_0_only
-        if self._state_dict_options is not None:
-            given, rank0_only = self._state_dict_options
-            device = given or device
+        config = self._state_dict_settings.state_dict_config
+        if config is not None:
+            rank0_only = bool(getattr(config, "rank0_only", False))
+            if getattr(config, "offload_to_cpu", False):
+                device = torch.device("cpu")
         return device, rank0_only
+
+    def _check_one_state_dict_type(self) -> None:
+        """Every wrapper in this tree must mean the same kind of state dict (as torch FSDP requires)."""
+        kinds = {w._state_dict_type for w in self._wrappers()}
+        if len(kinds) > 1:
+            raise ValueError(
+                "FullyShardedDataParallel: the wrappers in this model have different state dict types "
+                f"({', '.join(sorted(k.name for k in kinds))}), as when set_state_dict_type() was called on an "
+                "inner wrapper; set it on the outermost module, FSDP.set_state_dict_type(model, kind) or "
+                "FSDP.state_dict_type(model, kind), which sets every wrapper in it"
+            )
 
     # ------------------------------------------------------------------ torch FSDP's state_dict_type
     @staticmethod
@@ -79,15 +96,15 @@ class StateDictMethods:
         ``state_dict_config`` with ``offload_to_cpu`` / ``rank0_only`` (torch's
         ``FullStateDictConfig``) applies to the full state dict."""
         wrappers = _wrappers_in(module)
-        before = [(w, w._state_dict_type, w._state_dict_options) for w in wrappers]
+        before = [(w, w._state_dict_settings) for w in wrappers]
         StateDictMethods.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         )
         try:
             yield
         finally:
-            for w, kind, options in before:
-                w._state_dict_type, w._state_dict_options = kind, options
+            for w, settings in before:
+                w._state_dict_settings = settings
 
     @staticmethod
     def set_state_dict_type(
@@ -95,9 +112,10 @@ class StateDictMethods:
         state_dict_type: StateDictType,
         state_dict_config: Any = None,
         optim_state_dict_config: Any = None,
-    ) -> StateDictType:
+    ) -> StateDictSettings:
         """Make ``state_dict()`` / ``load_state_dict()`` of every wrapper in ``module`` mean
-        ``state_dict_type`` from now on; return the previous type (of the first wrapper)."""
+        ``state_dict_type`` from now on; return the previous :class:`~fsdp.StateDictSettings` (of the
+        first wrapper), which ``FSDP.set_state_dict_type(module, *previous)`` restores."""
         if not isinstance(state_dict_type, StateDictType):
             raise TypeError(
                 f"FullyShardedDataParallel.state_dict_type: expected a fsdp.StateDictType, got {state_dict_type!r}"
@@ -107,7 +125,6 @@ class StateDictMethods:
                 "FullyShardedDataParallel.state_dict_type: optim_state_dict_config is not supported; the "
                 "optimizer state comes from gather_full_optim_state_dict() or sharded_optim_state_dict()"
             )
-        options = None
         if state_dict_config is not None:
             offload = bool(getattr(state_dict_config, "offload_to_cpu", False))
             rank0_only = bool(getattr(state_dict_config, "rank0_only", False))
@@ -116,12 +133,22 @@ class StateDictMethods:
                     f"FullyShardedDataParallel.state_dict_type: offload_to_cpu / rank0_only apply to "
                     f"FULL_STATE_DICT only, not {state_dict_type.name}"
                 )
-            options = (torch.device("cpu") if offload else None, rank0_only)
         wrappers = _wrappers_in(module)
-        previous = wrappers[0]._state_dict_type
+        previous = wrappers[0]._state_dict_settings
         for w in wrappers:
-            w._state_dict_type, w._state_dict_options = state_dict_type, options
+            w._state_dict_settings = StateDictSettings(state_dict_type, state_dict_config)
         return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The :class:`~fsdp.StateDictSettings` of the wrappers in ``module``, which must all agree."""
+        settings = [w._state_dict_settings for w in _wrappers_in(module)]
+        if any(other != settings[0] for other in settings[1:]):
+            raise ValueError(
+                "FullyShardedDataParallel.get_state_dict_type: the wrappers in this module have different "
+                "state dict settings; set them with FSDP.set_state_dict_type(module, kind)"
+            )
+        return settings[0]
 
     def state_dict(
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
@@ -137,6 +164,9 @@ class StateDictMethods:
         """
         if args:
             destination, prefix, keep_vars = sd_impl.positional_args(args, destination, prefix, keep_vars)
+        outermost = not sd_impl.own_call_running("save")
+        if outermost:
+            self._check_one_state_dict_type()
         if self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
             return self.local_state_dict(destination, prefix, keep_vars)
         if self._state_dict_type is StateDictType.SHARDED_STATE_DICT:
@@ -147,18 +177,20 @@ class StateDictMethods:
         if top:
             destination = OrderedDict()
             destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        written_before = set() if top or not outermost else set(destination)  # a parent's own entries
         device, rank0_only = self._full_state_dict_options()
         keep = not rank0_only or self.rank == 0
-        with self._full_params_shown():
+        with sd_impl.own_call("save"), self._full_params_shown():
             self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
             sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
-        if top:
-            if not keep:
-                destination.clear()
-            elif device != self.compute_device:  # buffers too
-                for key, value in destination.items():
-                    if isinstance(value, torch.Tensor):
-                        destination[key] = value.to(device)
+        if outermost:  # the options apply to every entry of this tree, buffers too
+            mine = [k for k in destination if k not in written_before]
+            for key in mine:
+                value = destination[key]
+                if not keep:
+                    del destination[key]
+                elif device != self.compute_device and isinstance(value, torch.Tensor):
+                    destination[key] = value.to(device)
         return destination
 
     def load_state_dict(
@@ -176,28 +208,41 @@ class StateDictMethods:
             raise NotImplementedError(
                 "FullyShardedDataParallel.load_state_dict(assign=True) is not supported"
             )
-        with sd_impl.own_load():
-            return self._load_state_dict(state_dict, strict)
+        return self._load(state_dict, strict)
 
-    def _load_state_dict(self, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
-        if self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            return self.load_local_state_dict(state_dict, strict)
-        if self._state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            return self.load_sharded_state_dict(state_dict, strict)
-        wrappers = self._wrappers()
-        for w in wrappers:
-            w.assert_state(TrainingState.IDLE)
-        return sd_impl.load_full_state_dict(self, wrappers, self._state_layout(), state_dict, strict)
+    def _load(
+        self,
+        state_dict: Mapping[str, Any],
+        strict: bool,
+        errors_out: list[str] | None = None,
+        prefix: str = "",
+    ) -> NamedTuple:
+        if not sd_impl.own_call_running("load"):
+            self._check_one_state_dict_type()
+        with sd_impl.own_call("load"):
+            if self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
+                return self.load_local_state_dict(state_dict, strict)
+            if self._state_dict_type is StateDictType.SHARDED_STATE_DICT:
+                return self.load_sharded_state_dict(state_dict, strict)
+            wrappers = self._wrappers()
+            for w in wrappers:
+                w.assert_state(TrainingState.IDLE)
+            layout = self._state_layout()
+            return sd_impl.load_full_state_dict(
+                self, wrappers, layout, state_dict, strict, errors_out, prefix
+            )
 
     # [Note: loading through a plain parent]
     # ``parent.load_state_dict(sd)`` on a plain module that holds a wrapper never calls the
-    # wrapper's ``load_state_dict``: torch walks the tree calling ``_load_from_state_dict`` on every
-    # module, under the raw names (``0._fsdp_wrapped_module.1.weight``), while the state dict uses
-    # the plain ones (``0.1.weight``) of whichever kind ``state_dict()`` wrote. So the outermost
-    # wrapper on the walk loads its whole part with its own ``load_state_dict`` (which follows the
-    # state dict type), wrappers inside it do nothing, and a post hook drops what the walk then
-    # reports as missing under raw names inside the wrapper (buffers of inner modules): that part
-    # was loaded, and any key really missing is reported under its plain name.
+    # wrapper's ``load_state_dict``: torch walks the tree calling ``_load_from_state_dict`` (and the
+    # load hooks) of every module, under the raw names (``0._fsdp_wrapped_module.1.weight``), while
+    # the state dict has the plain ones (``0.1.weight``) of whichever kind ``state_dict()`` wrote.
+    # So the first wrapper on the walk loads its whole part with its own loader (which follows the
+    # state dict type, and runs the hooks inside it once), reports missing, unexpected and
+    # mismatched keys under the parent's names, and has the walk skip its children, which would
+    # otherwise run their hooks a second time over an empty dict. Saving needs nothing of the kind:
+    # a parent's ``state_dict()`` calls the wrapper's, and the outermost wrapper on a call applies
+    # ``rank0_only`` and the state dict device to the entries of its tree.
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],
@@ -208,7 +253,7 @@ class StateDictMethods:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        if sd_impl.own_load_running():  # the walk of our own full load: torch's default
+        if sd_impl.own_call_running("load"):  # the walk inside our own full load: torch's default
             nn.Module._load_from_state_dict(
                 self,  # type: ignore[arg-type]
                 state_dict,
@@ -220,16 +265,18 @@ class StateDictMethods:
                 error_msgs,
             )
             return
-        if WRAPPED + "." in prefix:
-            return  # an outer wrapper on this walk loaded this one's part
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
                 "FullyShardedDataParallel: load_state_dict(assign=True) is not supported, also from a parent module"
             )
         mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        result = self.load_state_dict(mine, strict=False)
-        missing_keys.extend(prefix + k for k in result.missing_keys)  # type: ignore[attr-defined]
-        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)  # type: ignore[attr-defined]
+        if not mine and self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            missing_keys.extend(prefix + k for k in self.local_state_dict())  # nothing of its own: not a load
+        else:
+            result = self._load(mine, False, error_msgs, prefix)
+            missing_keys.extend(prefix + k for k in result.missing_keys)  # type: ignore[attr-defined]
+            unexpected_keys.extend(prefix + k for k in result.unexpected_keys)  # type: ignore[attr-defined]
+        sd_impl.skip_children_once(self)  # type: ignore[arg-type]
 
     def local_state_dict(
         self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False

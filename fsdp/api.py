@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ __all__ = [
     "ShardingConfig",
     "ShardingStrategy",
     "StateDictConfig",
+    "StateDictSettings",
     "StateDictType",
     "TrainingState",
 ]
@@ -100,6 +101,15 @@ class StateDictType(enum.Enum):
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
     SHARDED_STATE_DICT = enum.auto()
+
+
+class StateDictSettings(NamedTuple):
+    """A wrapper's state dict setting, as torch FSDP's ``set_state_dict_type`` returns it (so
+    ``FSDP.set_state_dict_type(model, *previous)`` restores it) and ``get_state_dict_type`` reads it."""
+
+    state_dict_type: StateDictType
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
 
 
 @dataclass(frozen=True)

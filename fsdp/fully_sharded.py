@@ -46,6 +46,7 @@ from fsdp.api import (
     ShardingConfig,
     ShardingStrategy,
     StateDictConfig,
+    StateDictSettings,
     StateDictType,
     TrainingState,
     default_gradient_predivide_factor,
@@ -337,9 +338,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
                 )
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
-        self._state_dict_type, self._state_dict_options = StateDictType.FULL_STATE_DICT, None
-        # [Note: loading through a plain parent]
-        self.register_load_state_dict_post_hook(sd_impl.drop_inner_missing_keys)  # type: ignore[no-untyped-call]
+        self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False

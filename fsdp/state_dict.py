@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.api import TrainingState
-from fsdp.consistency import WRAPPED, plain_name
+from fsdp.consistency import plain_name
 from fsdp.handle import FlatParamHandle
 
 # The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
@@ -84,20 +84,20 @@ __all__ = [
     "consolidate_shard_weights",
     "describe",
     "digest_of",
-    "drop_inner_missing_keys",
     "empty_sharded",
     "gather_full_flat",
     "load_local_state_dict",
     "load_sharded_state_dict",
     "local_metadata_dict",
     "local_state_dict",
+    "own_call",
+    "own_call_running",
     "own_full_values",
-    "own_load",
-    "own_load_running",
     "row_range",
     "shard_writes",
     "sharded_state_dict",
     "sharded_state_dict_template",
+    "skip_children_once",
     "to_sharded",
     "value_kind",
     "write_shard_",
@@ -109,33 +109,68 @@ LOCAL_STATE_KEY = "_fsdp_local_state"  # identity entry of a local state dict
 FORMAT_VERSION = 1
 
 
-# ---------------------------------------------------------------------- loading through a plain parent
+# ---------------------------------------------------------------------- a wrapper under a plain parent
 # See [Note: loading through a plain parent] in fsdp/_state_methods.py.
-_own_load = threading.local()  # .depth > 0 while a wrapper's load_state_dict runs on this thread
+_depth = threading.local()  # .load / .save > 0 while a wrapper's load_state_dict / state_dict runs
 
 
 @contextlib.contextmanager
-def own_load() -> Iterator[None]:
-    """Marks a wrapper's own ``load_state_dict`` (torch's walk inside it is not a parent's)."""
-    _own_load.depth = own_load_running() + 1
+def own_call(kind: str) -> Iterator[None]:
+    """Marks a wrapper's own ``load_state_dict`` or ``state_dict`` (``kind`` "load" or "save") on
+    this thread, so the wrappers and the walk inside it know they are not a parent's."""
+    setattr(_depth, kind, own_call_running(kind) + 1)
     try:
         yield
     finally:
-        _own_load.depth -= 1
+        setattr(_depth, kind, own_call_running(kind) - 1)
 
 
-def own_load_running() -> int:
-    return int(getattr(_own_load, "depth", 0))
+def own_call_running(kind: str) -> int:
+    return int(getattr(_depth, kind, 0))
 
 
-def drop_inner_missing_keys(module: nn.Module, incompatible_keys: Any) -> None:
-    """Load post hook of every wrapper: a parent's walk reports the buffers inside a wrapper as
-    missing under their raw names, though the wrapper loaded them (a key really missing is
-    reported under its plain name)."""
-    if not own_load_running():
-        incompatible_keys.missing_keys[:] = [
-            k for k in incompatible_keys.missing_keys if WRAPPED + "." not in k
-        ]
+class _NoChildrenOnce(dict):  # type: ignore[type-arg]
+    """Stands in for a module's ``_modules`` until torch's load walk, right after the module's
+    ``_load_from_state_dict``, asks for its children: it gets none, and the real ones are back.
+    Any other use puts them back too (and sees them)."""
+
+    def __init__(self, module: nn.Module, children: dict[str, Any]) -> None:
+        super().__init__()
+        self._module, self._children = module, children
+
+    def _restore(self) -> dict[str, Any]:
+        self._module.__dict__["_modules"] = self._children
+        return self._children
+
+    def items(self) -> Any:  # the walk's call
+        self._restore()
+        return iter(())
+
+    def __getitem__(self, key: str) -> Any:
+        return self._restore()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._restore()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._restore())
+
+    def __len__(self) -> int:
+        return len(self._restore())
+
+    def keys(self) -> Any:
+        return self._restore().keys()
+
+    def values(self) -> Any:
+        return self._restore().values()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._restore().get(key, default)
+
+
+def skip_children_once(module: nn.Module) -> None:
+    """Have torch's load walk, now at ``module``, not descend into it (its part was loaded)."""
+    module.__dict__["_modules"] = _NoChildrenOnce(module, module.__dict__["_modules"])
 
 
 # ---------------------------------------------------------------------- local state dict
@@ -519,7 +554,13 @@ def own_full_values(
 
 
 def load_full_state_dict(
-    root: Any, wrappers: Sequence[Any], layout: Layout, state_dict: Mapping[str, Any], strict: bool
+    root: Any,
+    wrappers: Sequence[Any],
+    layout: Layout,
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    errors_out: list[str] | None = None,
+    prefix: str = "",
 ) -> NamedTuple:
     """Load a full state dict with the unwrapped module's keys into a wrapper tree; report keys
     under their plain names. Collective: every rank gathers every unit, in module order.
@@ -531,7 +572,9 @@ def load_full_state_dict(
     ``nn.Module.load_state_dict`` does the loading. Each wrapper shows its full parameters only
     while its own part loads: a load pre-hook gathers them before the wrapper's subtree is visited,
     and a post-hook, which runs once the subtree is done, writes them back to the shards and frees
-    them. So at most one unit and its ancestors are full at a time, as in ``state_dict()``. Where
+    them. So at most one unit and its ancestors are full at a time, as in ``state_dict()``. With
+    ``errors_out`` (a parent's load walk), errors such as size mismatches go there, their keys under
+    ``prefix``, instead of being raised. Where
     user load code runs above an inner wrapper (a load hook, or a ``_load_from_state_dict``
     override, on a module or wrapper that contains one), it may touch the inner units' parameters,
     so every unit is shown for the whole load instead, as fairscale does.
@@ -549,7 +592,7 @@ def load_full_state_dict(
     )
     if _user_code_above_a_unit(root, wrappers):
         with root.summon_full_params(recurse=True):
-            return _load_renamed(root, state_dict, strict)
+            return _load_renamed(root, state_dict, strict, errors_out, prefix)
     shown: list[Any] = []
     visited: list[Any] = []
 
@@ -574,7 +617,7 @@ def load_full_state_dict(
         w._load_state_dict_pre_hooks.move_to_end(first.id, last=False)  # before the user's own
         hooks += [first, w.register_load_state_dict_post_hook(hide)]
     try:
-        return _load_renamed(root, state_dict, strict)
+        return _load_renamed(root, state_dict, strict, errors_out, prefix)
     except BaseException:
         # User code raised part-way (on this rank only, perhaps): what was loaded is kept, as in
         # torch, and the gathers the other ranks still make are paired before the error goes on.
@@ -603,8 +646,7 @@ def _user_code_above_a_unit(root: nn.Module, wrappers: Sequence[Any]) -> bool:
             above.update(".".join(parts[:i]) for i in range(len(parts)))
     for name in above:
         m = modules[name]
-        post_hooks = [h for h in m._load_state_dict_post_hooks.values() if h is not drop_inner_missing_keys]
-        if m._load_state_dict_pre_hooks or post_hooks:
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
             return True
         if id(m) not in is_wrapper and type(m)._load_from_state_dict is not nn.Module._load_from_state_dict:
             return True
@@ -628,7 +670,9 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     )
 
 
-def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> NamedTuple:
+def _load_renamed(
+    root: Any, state_dict: Mapping[str, Any], strict: bool, errors_out: list[str] | None, prefix: str
+) -> NamedTuple:
     to_internal = {plain_name(name): name for name, _ in root.named_modules(remove_duplicate=False)}
 
     def internal(key: str) -> str:
@@ -667,7 +711,12 @@ def _load_renamed(root: Any, state_dict: Mapping[str, Any], strict: bool) -> Nam
             errors.insert(
                 0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + "."
             )
-    if errors:
+    if errors and errors_out is not None:
+        for line in errors:  # torch's wording names the key after one of these
+            for lead in ("size mismatch for ", 'parameter named "'):
+                line = line.replace(lead, lead + prefix, 1)
+            errors_out.append(line)
+    elif errors:
         raise RuntimeError(
             f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
         )

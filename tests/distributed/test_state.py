@@ -375,7 +375,7 @@ def _state_dict_types() -> dict[str, object]:
             p.add_(1.0)
     previous = FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)  # lasting, torch's setter
     model.load_state_dict(saved)
-    FSDP.set_state_dict_type(model, previous)
+    FSDP.set_state_dict_type(model, *previous)
     out["local_roundtrip"] = all(
         torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values())
     )
@@ -475,6 +475,116 @@ def test_a_plain_parent_loads_what_it_saved(pool: RankPool) -> None:
         assert 'Missing key(s) in state_dict: "0.2.0.weight"' in r["strict"]
         assert "_fsdp_wrapped_module" not in r["strict"]
         assert "assign=True" in r["assign"]
+
+
+class _Versioned(nn.Module):
+    """A module with a load pre-hook that fills a default for a buffer older checkpoints lack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.hook_calls = 0
+        self._register_load_state_dict_pre_hook(self._fill_defaults)
+
+    def _fill_defaults(self, state_dict: dict[str, object], prefix: str, *args: object) -> None:
+        self.hook_calls += 1
+        state_dict.setdefault(prefix + "ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.ema
+
+
+def _plain_parent_edges() -> dict[str, object]:
+    from torch.distributed.fsdp import FullStateDictConfig
+
+    from fsdp import StateDictSettings, StateDictType
+
+    rank = dist.get_rank()
+    out: dict[str, object] = {}
+    # a hook inside the wrapper runs once, and does not overwrite what was loaded
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Versioned(), nn.Linear(4, 1))
+    ref[0].ema.fill_(7.0)
+    parent = copy.deepcopy(ref)
+    parent[0] = FSDP(parent[0])
+    parent[0].module.hook_calls = 0
+    parent.load_state_dict(ref.state_dict())
+    out["ema"] = parent[0].module.ema.tolist()
+    out["hook_calls"] = parent[0].module.hook_calls
+    out["children_back"] = parent[0].module is parent[0]._fsdp_wrapped_module
+
+    # rank0_only and the state dict device cover the wrapper's buffers too, under a parent
+    def body() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    parent = nn.Sequential(body(), nn.Linear(4, 2))
+    parent[0] = FSDP(parent[0], state_dict_on_rank_0_only=True)
+    out["rank0_only_keys"] = sorted(parent.state_dict())
+    parent = nn.Sequential(body(), nn.Linear(4, 2))
+    parent[0] = FSDP(parent[0], state_dict_device=torch.device("meta"))
+    out["devices"] = {k: v.device.type for k, v in parent.state_dict().items()}
+    with FSDP.state_dict_type(parent, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        out["config_rank0_only_keys"] = sorted(parent.state_dict())
+    # size mismatches under the parent's names, with the other errors
+    parent = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(3, 3)))
+    parent[1] = FSDP(parent[1])
+    wrong = parent.state_dict()
+    wrong["1.0.weight"] = torch.zeros(5, 5)
+    try:
+        parent.load_state_dict(wrong)
+        out["mismatch"] = "loaded"
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+    # under LOCAL, a parent's own keys alone load with strict=False: the wrapper's are missing
+    with FSDP.state_dict_type(parent, StateDictType.LOCAL_STATE_DICT):
+        result = parent.load_state_dict({k: v for k, v in wrong.items() if k.startswith("0.")}, strict=False)
+        out["local_missing"] = sorted(result.missing_keys)
+    # one kind per tree; torch's settings API
+    torch.manual_seed(0)
+    nested = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    nested[1] = FSDP(nested[1])
+    root = FSDP(nested)
+    previous = FSDP.set_state_dict_type(root.module[1], StateDictType.LOCAL_STATE_DICT)
+    errors = []
+    for call in (root.state_dict, lambda: root.load_state_dict({}), lambda: FSDP.get_state_dict_type(root)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append("set it on the outermost module" in str(e) or "set_state_dict_type" in str(e))
+    out["mixed_refused"] = errors
+    FSDP.set_state_dict_type(root.module[1], *previous)
+    config = FullStateDictConfig(offload_to_cpu=True)
+    before = FSDP.set_state_dict_type(root, StateDictType.FULL_STATE_DICT, config)
+    now = FSDP.get_state_dict_type(root)
+    out["settings"] = (
+        isinstance(before, StateDictSettings) and before.state_dict_type is StateDictType.FULL_STATE_DICT,
+        now.state_dict_config is config,
+        {v.device.type for v in root.state_dict().values()},
+    )
+    FSDP.set_state_dict_type(root, *before)
+    out["restored"] = FSDP.get_state_dict_type(root) == before
+    out["rank"] = rank
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_plain_parent_saves_and_loads_like_the_wrapper(pool: RankPool) -> None:
+    for r in pool.run(_plain_parent_edges):
+        assert r["ema"] == [7.0] * 4, "a load hook inside the wrapper must not overwrite the loaded buffer"
+        assert r["hook_calls"] == 1 and r["children_back"]
+        plain = ["1.bias", "1.weight"]
+        bn = ["0.1.running_mean", "0.1.running_var", "0.1.num_batches_tracked"]
+        full = sorted(["0.0.weight", "0.0.bias", "0.1.weight", "0.1.bias", *bn, *plain])
+        assert r["rank0_only_keys"] == (full if r["rank"] == 0 else plain), "rank0_only drops the buffers too"
+        assert r["config_rank0_only_keys"] == (full if r["rank"] == 0 else plain)
+        assert all(d == ("meta" if k.startswith("0.") else "cpu") for k, d in r["devices"].items()), r[
+            "devices"
+        ]
+        assert "size mismatch for 1.0.weight" in r["mismatch"] and "_fsdp_wrapped_module" not in r["mismatch"]
+        assert r["local_missing"] == ["1._fsdp_local_state", "1.flat_param_0"]
+        assert r["mixed_refused"] == [True, True, True]
+        assert r["settings"] == (True, True, {"cpu"}) and r["restored"]
 
 
 def _summon() -> dict[str, object]:
