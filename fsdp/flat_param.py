@@ -395,7 +395,10 @@ def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     if stale:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel flattened (e.g. {stale[:3]}); "
-            "they never get a gradient again. Build the optimizer after wrapping, from the wrapper's parameters()"
+            "they never get a gradient again. Build the optimizer after wrapping, from the wrapper's parameters(). "
+            "If it was built after wrapping, a module outside the wrapper still uses one of them: a parameter tied "
+            "(shared) with a wrapped module, such as an output layer tied to a wrapped embedding. Wrap a module that "
+            "contains every user of the tied parameter"
         )
     _SCANNED[optimizer] = key
 

@@ -479,6 +479,18 @@ def test_an_optimizer_built_before_wrapping_is_refused_at_its_step(single_rank_g
     unrelated.step()  # other optimizers in the process are untouched
 
 
+def test_a_tie_across_the_wrapper_boundary_is_refused_at_the_step(single_rank_group: None) -> None:
+    embed = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = embed.weight  # tied, but only the embedding gets wrapped
+    parent = nn.Sequential(nn.Sequential(embed), head)
+    parent[0] = FSDP(parent[0])
+    optim = torch.optim.SGD(parent.parameters(), lr=0.1)  # built after wrapping
+    parent(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"(?s)0\.weight.*tied \(shared\) with a wrapped module"):
+        optim.step()  # the head would train a copy the embedding no longer shares
+
+
 def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata(
     single_rank_group: None,
 ) -> None:
