@@ -66,3 +66,12 @@ def test_data_parallel_clipping_and_grad_scaler_on_cuda() -> None:
         assert r["trained_after"] and r["grad_devices"] == [home], report
     assert "was moved to cuda" in report["move_refused"], report
     assert report["checkpoint_dropout_max_diff"] == 0.0, report
+
+
+@pytest.mark.gpu
+def test_a_wrapped_model_compiles_with_inductor_on_cuda() -> None:
+    report = _run("cuda_compile.py")
+    assert report["fp32"]["max_param_diff"] <= 1e-4, report
+    for precision in ("fp32", "bf16"):
+        first, last = report[precision]["graphs_after_first_and_last_step"]
+        assert first >= 1 and first == last, report  # compiled, and no recompilation
