@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import logging
 import pkgutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["run_eagerly_under_compile"]
+import torch
+
+__all__ = ["queue_end_of_backward", "run_eagerly_under_compile"]
 
 log = logging.getLogger(__name__)
 
@@ -43,3 +47,20 @@ def run_eagerly_under_compile() -> None:
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name not in _TRACED:
             add(f"{__package__}.{info.name}")
+
+
+def queue_end_of_backward(callback: Callable[[], None], who: str) -> None:
+    """Queue ``callback`` to run when the autograd engine finishes this backward.
+
+    Compiled autograd (``torch._dynamo.config.compiled_autograd = True``) runs the tensor hooks but
+    never the engine's queued callbacks, so the gradients would silently never be finished
+    (reduced, set, freed): refuse it instead."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    active = ("compiled_autograd_enabled", "in_compiled_autograd_region")  # tracing, running
+    if compiled_autograd is not None and any(getattr(compiled_autograd, flag, False) for flag in active):
+        raise RuntimeError(
+            f"{who} does not support compiled autograd (torch._dynamo.config.compiled_autograd = True): the "
+            "end of its backward would never run and no gradient would be reduced. Turn compiled autograd off; "
+            "torch.compile of the model itself works"
+        )
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]

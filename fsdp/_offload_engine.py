@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from fsdp._compile import queue_end_of_backward
 from fsdp._device import DeviceHandle
 from fsdp._offload_slice import Residency, _Slice
 
@@ -459,7 +460,7 @@ class _Engine:
         sl = self.slices[record.index]
         if not self._end_backward_queued:
             self._end_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+            queue_end_of_backward(self._end_backward, "OffloadModel")
         try:
             self.wait_loaded(sl)
             if not self.config.checkpoint_activation and record.generation != sl.generation:

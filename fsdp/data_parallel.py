@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fsdp import collectives
-from fsdp._compile import run_eagerly_under_compile
+from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, default_compute_device
 from fsdp.buckets import BucketConfig, BucketLayout, GradBucketer, MissingGradientError
 from fsdp.collectives import CommStats
@@ -310,7 +310,7 @@ class DistributedDataParallel(nn.Module):
         state.reached.add(token)
         if not state.end_queued:
             state.end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+            queue_end_of_backward(self._end_backward, "DistributedDataParallel")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -476,7 +476,7 @@ class DistributedDataParallel(nn.Module):
         state.phase = _Phase.REDUCING if reduce else _Phase.LOCAL
         if not state.end_queued:
             state.end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+            queue_end_of_backward(self._end_backward, "DistributedDataParallel")
         if reduce:
             self._bucketer.begin_backward()
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.profiler import record_function as _record_function
 
 from fsdp import state_dict as sd_impl
-from fsdp._compile import run_eagerly_under_compile
+from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._fairscale_attrs import FairscaleAttributes
 from fsdp._state_methods import StateDictMethods
@@ -599,7 +599,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         if not ctx.callback_queued:
             ctx.callback_queued = True
             root = ctx.wrappers[0]
-            torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
+            queue_end_of_backward(root._finalize_backward, "FullyShardedDataParallel")
             if ctx.sync and ctx.bucketer is not None:
                 ctx.bucketer.begin_backward()
         if self._pre_backward_done:

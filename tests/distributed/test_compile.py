@@ -151,3 +151,40 @@ def test_a_compiled_offload_model_trains_as_the_eager_one(pool: RankPool) -> Non
     for r in pool.run(_compiled_offload_model):
         assert r["same"]
         assert r["graphs"] >= 1 and r["graphs"] == r["after_first"]
+
+
+_MODEL: list[nn.Module] = []
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    loss = _MODEL[0](x).sum()
+    loss.backward()
+    return loss
+
+
+def _compiled_autograd_is_refused() -> list[str]:
+    torch._dynamo.reset()
+    messages = []
+    for build in (
+        lambda: FSDP(nn.Sequential(FSDP(nn.Linear(8, 8)), nn.Linear(8, 2))),
+        lambda: fsdp.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))),
+    ):
+        _MODEL[:] = [build()]
+        torch._dynamo.config.compiled_autograd = True  # before torch.compile, which reads it
+        try:
+            torch.compile(_step, backend="aot_eager")(torch.randn(4, 8))
+            messages.append("trained")
+        except Exception as e:  # torch may wrap it in its own error type
+            messages.append(str(e))
+        finally:
+            torch._dynamo.config.compiled_autograd = False
+            torch._dynamo.reset()
+    return messages
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_compiled_autograd_is_refused_not_silently_ignored(pool: RankPool) -> None:
+    (messages,) = pool.run(_compiled_autograd_is_refused)
+    assert len(messages) == 2
+    for who, text in zip(("FullyShardedDataParallel", "DistributedDataParallel"), messages):
+        assert f"{who} does not support compiled autograd" in text, text
