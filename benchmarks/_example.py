@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,3 +19,20 @@ def load_example() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def add_gpt_args(p: argparse.ArgumentParser) -> None:
+    """The example GPT's size and batch options, shared by the scripts that train it."""
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+
+
+def wrap_blocks(model: torch.nn.Module, **fsdp_kwargs: Any) -> torch.nn.Module:
+    """One FSDP unit per transformer block and a root around the rest."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    for i, block in enumerate(model.blocks):  # type: ignore[arg-type]
+        model.blocks[i] = FSDP(block, **fsdp_kwargs)  # type: ignore[index, operator]
+    return FSDP(model, **fsdp_kwargs)

@@ -26,15 +26,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example  # noqa: E402
-
-from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
-
-
-def _wrap(model: torch.nn.Module) -> FSDP:
-    for i, block in enumerate(model.blocks):  # type: ignore[arg-type]
-        model.blocks[i] = FSDP(block)  # type: ignore[index, operator]
-    return FSDP(model)
+from _example import add_gpt_args, load_example, wrap_blocks  # noqa: E402
 
 
 def main() -> None:
@@ -42,10 +34,7 @@ def main() -> None:
     p.add_argument("--backend", default="inductor")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    add_gpt_args(p)
     p.add_argument("--out", type=str, default="out/compile.json")
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -57,8 +46,8 @@ def main() -> None:
     base = example.GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)
     local, ours_eager, ours_compiled = (
         copy.deepcopy(base),
-        _wrap(copy.deepcopy(base)),
-        _wrap(copy.deepcopy(base)),
+        wrap_blocks(copy.deepcopy(base)),
+        wrap_blocks(copy.deepcopy(base)),
     )
     local_compiled = copy.deepcopy(base)
     variants: dict[str, tuple[torch.nn.Module, Any]] = {

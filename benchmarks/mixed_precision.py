@@ -26,25 +26,14 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example  # noqa: E402
-
-from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
-
-
-def _wrap(model: torch.nn.Module, **precision: Any) -> FSDP:
-    for i, block in enumerate(model.blocks):  # type: ignore[arg-type]
-        model.blocks[i] = FSDP(block, **precision)  # type: ignore[index, operator]
-    return FSDP(model, **precision)
+from _example import add_gpt_args, load_example, wrap_blocks  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    add_gpt_args(p)
     p.add_argument("--out", type=str, default="out/mixed_precision.json")
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -55,8 +44,8 @@ def main() -> None:
     torch.manual_seed(0)
     base = example.GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)
     variants = {
-        "fp32": _wrap(copy.deepcopy(base)),
-        "bf16": _wrap(copy.deepcopy(base), mixed_precision=True, compute_dtype=torch.bfloat16),
+        "fp32": wrap_blocks(copy.deepcopy(base)),
+        "bf16": wrap_blocks(copy.deepcopy(base), mixed_precision=True, compute_dtype=torch.bfloat16),
     }
     optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in variants.items()}
     gen = torch.Generator().manual_seed(rank)

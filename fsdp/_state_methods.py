@@ -66,9 +66,8 @@ class StateDictMethods:
         device, rank0_only = self._state_dict_device(), self.fsdp_config.state_dict.state_dict_on_rank_0_only
         config = self._state_dict_settings.state_dict_config
         if config is not None:
-            rank0_only = bool(getattr(config, "rank0_only", False))
-            if getattr(config, "offload_to_cpu", False):
-                device = torch.device("cpu")
+            offload, rank0_only = _config_options(config)
+            device = torch.device("cpu") if offload else device
         return device, rank0_only
 
     def _check_one_state_dict_type(self) -> None:
@@ -126,9 +125,9 @@ class StateDictMethods:
                 "optimizer state comes from gather_full_optim_state_dict() or sharded_optim_state_dict()"
             )
         if state_dict_config is not None:
-            offload = bool(getattr(state_dict_config, "offload_to_cpu", False))
-            rank0_only = bool(getattr(state_dict_config, "rank0_only", False))
-            if state_dict_type is not StateDictType.FULL_STATE_DICT and (offload or rank0_only):
+            if state_dict_type is not StateDictType.FULL_STATE_DICT and any(
+                _config_options(state_dict_config)
+            ):
                 raise NotImplementedError(
                     f"FullyShardedDataParallel.state_dict_type: offload_to_cpu / rank0_only apply to "
                     f"FULL_STATE_DICT only, not {state_dict_type.name}"
@@ -351,6 +350,11 @@ class StateDictMethods:
     ) -> None:
         """Load a :meth:`sharded_optim_state_dict` (saved at any world size) into ``optim``. Collective."""
         optim_impl.load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
+
+
+def _config_options(config: Any) -> tuple[bool, bool]:
+    """``(offload_to_cpu, rank0_only)`` of a torch ``FullStateDictConfig`` (read by duck typing)."""
+    return bool(getattr(config, "offload_to_cpu", False)), bool(getattr(config, "rank0_only", False))
 
 
 def _wrappers_in(module: nn.Module) -> list[StateDictMethods]:

@@ -47,6 +47,14 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def wrap_net(base: Net, **kw: Any) -> FSDP:
+    """A copy of ``base`` with one wrapper per block and a root."""
+    m = copy.deepcopy(base)
+    for i in range(len(m.blocks)):
+        m.blocks[i] = FSDP(m.blocks[i], **kw)
+    return FSDP(m, **kw)
+
+
 def _counting_backend(graphs: list[int]) -> Any:
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
         graphs.append(len(gm.graph.nodes))
@@ -84,13 +92,7 @@ def _compiled_fsdp(kind: str) -> dict[str, Any]:
     if kind == "checkpointed":
         base.blocks[1] = fsdp.checkpoint_wrapper(base.blocks[1])
 
-    def wrapped() -> FSDP:
-        m = copy.deepcopy(base)
-        for i in range(len(m.blocks)):
-            m.blocks[i] = FSDP(m.blocks[i], **kw)
-        return FSDP(m, **kw)
-
-    eager, comp = wrapped(), wrapped()
+    eager, comp = wrap_net(base, **kw), wrap_net(base, **kw)
     graphs: list[int] = []
     compiled = torch.compile(comp, backend=_counting_backend(graphs))
     ignored: list[int] = []

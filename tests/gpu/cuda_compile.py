@@ -9,7 +9,6 @@ times (compiled / eager, for information); exits non-zero when parity fails.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -21,8 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from fsdp import FullyShardedDataParallel as FSDP
-from tests.distributed.test_compile import Net
+from tests.distributed.test_compile import Net, wrap_net
 
 
 def run(device: torch.device, precision: str) -> dict[str, object]:
@@ -34,13 +32,7 @@ def run(device: torch.device, precision: str) -> dict[str, object]:
     torch.manual_seed(0)
     base = Net().to(device)
 
-    def wrapped() -> FSDP:
-        m = copy.deepcopy(base)
-        for i in range(len(m.blocks)):
-            m.blocks[i] = FSDP(m.blocks[i], **kw)
-        return FSDP(m, **kw)
-
-    eager, comp = wrapped(), wrapped()
+    eager, comp = wrap_net(base, **kw), wrap_net(base, **kw)
     compiled = torch.compile(comp)
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     graphs = []
