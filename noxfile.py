@@ -15,6 +15,7 @@ import nox
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
+OLDEST_TORCH = "torch==2.11.0"  # pyproject.toml: torch>=2.11
 LINT_PATHS = ["fsdp", "tests", "examples", "noxfile.py"]
 ROOT = Path(__file__).resolve().parent
 
@@ -31,6 +32,18 @@ def tests(session: nox.Session) -> None:
     """The whole suite, as CI and the README run it."""
     _install(session, "test")
     session.run("pytest", "-q", "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def tests_oldest_torch(session: nox.Session) -> None:
+    """The whole suite on the oldest supported torch (2.11), on the CPU. Not run by default.
+
+    PyPI has no CPU build of torch 2.11, so this installs its CUDA build (about 5 GB with the CUDA
+    libraries), which runs on a machine without a GPU as well.
+    """
+    session.install(OLDEST_TORCH)
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "tests", *session.posargs, env={"CUDA_VISIBLE_DEVICES": ""})
 
 
 @nox.session(python=PYTHON)

@@ -10,7 +10,8 @@ arithmetic is. The parameters come into those graphs as inputs, so the views mad
 forward cause no recompilation. Registering the package's files with the compiler's skip list is a
 private torch API (``torch._dynamo.trace_rules.add``, present in every supported torch); without it
 a compiled model fails at its first forward instead. ``checkpoint.py`` (activation checkpointing)
-is user computation and stays traceable.
+is user computation and stays traceable; where a checkpointed region holds a wrapper, it calls the
+skipped ``_recompute.py``, which runs the region eagerly (see there).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["queue_end_of_backward", "run_eagerly_under_compile"]
+__all__ = ["TRACED_MODULES", "queue_end_of_backward", "run_eagerly_under_compile"]
 
 log = logging.getLogger(__name__)
 
-_TRACED = frozenset({"checkpoint"})  # modules whose code belongs in the compiled graph
+# modules whose code belongs in the compiled graph; every other module of the package runs eagerly
+TRACED_MODULES = frozenset({"checkpoint"})
 _registered = False
 
 
@@ -45,7 +47,7 @@ def run_eagerly_under_compile() -> None:
         log.debug("torch.compile will trace the fsdp package's code (%s)", e)
         return
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if info.name not in _TRACED:
+        if info.name not in TRACED_MODULES:
             add(f"{__package__}.{info.name}")
 
 

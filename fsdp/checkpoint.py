@@ -16,17 +16,16 @@ in the forward only, not again in the recomputation.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from fsdp._device import default_compute_device
+from fsdp._compile import TRACED_MODULES
+from fsdp._recompute import norms_tracking_stats, run_eagerly
 
 __all__ = ["checkpoint_wrapper", "is_checkpointed"]
 
@@ -75,37 +74,20 @@ def _checkpointed_forward(
     def call(*flat: Any) -> Any:
         return original(module, *flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
-    options: dict[str, Any] = {}
-    norms = _norms_tracking_stats(module)
-    if norms and not torch.compiler.is_compiling():  # (a compiled region takes no context_fn)
-        options["context_fn"] = lambda: (contextlib.nullcontext(), _running_stats_frozen(norms))
-    run = functools.partial(torch.utils.checkpoint.checkpoint, call, use_reentrant=False, **options)
-    if offload_to_cpu:  # pinned host memory on CUDA: the copies do not block the host
-        with torch.autograd.graph.save_on_cpu(pin_memory=default_compute_device(set()).type == "cuda"):
-            return run(*args, *kwargs.values())
-    return run(*args, *kwargs.values())
+    flat = (*args, *kwargs.values())
+    if torch.compiler.is_compiling() and not offload_to_cpu and not _holds_eager_code(module):
+        # The whole region goes into the compiled graph, whose recomputation does not update the
+        # norms' statistics again (a compiled region takes no context_fn).
+        return torch.utils.checkpoint.checkpoint(call, *flat, use_reentrant=False)
+    return run_eagerly(call, flat, offload_to_cpu, norms_tracking_stats(module))
 
 
-def _norms_tracking_stats(module: nn.Module) -> list[nn.Module]:
-    """Batch and instance norms in training mode that update running statistics in forward."""
-    return [
-        m
+def _holds_eager_code(module: nn.Module) -> bool:
+    """Whether the region calls a forward the compiler skips (a wrapper of this package): then it
+    cannot be one compiled graph and runs eagerly, through ``_recompute`` (see its docstring)."""
+    package = __name__.rpartition(".")[0]
+    return any(
+        c.__module__.startswith(f"{package}.") and c.__module__.rpartition(".")[2] not in TRACED_MODULES
         for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
-    ]
-
-
-@contextlib.contextmanager
-def _running_stats_frozen(norms: list[nn.Module]) -> Iterator[None]:
-    """During the recomputation, norms do not update their running statistics a second time
-    (fairscale's ``patch_batchnorm``): the buffers are copied before and restored after. The
-    recomputation itself runs exactly as the forward did (same saved tensors, same outputs)."""
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    saved = [(m, {n: b.clone() for n in names if (b := getattr(m, n, None)) is not None}) for m in norms]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, values in saved:
-                for n, value in values.items():
-                    getattr(m, n).copy_(value)
+        for c in type(m).__mro__
+    )

@@ -190,3 +190,51 @@ def test_compiled_autograd_is_refused_not_silently_ignored(pool: RankPool) -> No
     assert len(messages) == 2
     for who, text in zip(("FullyShardedDataParallel", "DistributedDataParallel"), messages):
         assert f"{who} does not support compiled autograd" in text, text
+
+
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.relu(self.lin(x)))
+
+
+def _compiled_checkpointed_norms(order: str) -> dict[str, Any]:
+    def build() -> FSDP:
+        torch.manual_seed(0)
+        m = nn.Sequential(NormBlock(), NormBlock(), nn.Linear(8, 2))
+        if order == "checkpoint_outside_the_wrapper":
+            m[0] = fsdp.checkpoint_wrapper(FSDP(m[0]))
+        elif order == "checkpoint_inside_the_wrapper":
+            m[0] = FSDP(fsdp.checkpoint_wrapper(m[0]))
+        else:
+            m[0] = FSDP(fsdp.checkpoint_wrapper(m[0], offload_to_cpu=True))
+        return FSDP(m)
+
+    torch._dynamo.reset()
+    eager, comp = build(), build()
+    graphs: list[int] = []
+    compiled = torch.compile(comp, backend=_counting_backend(graphs))
+    _train(eager, eager, 3, [], [])
+    _train(comp, compiled, 3, [], graphs)
+    torch._dynamo.reset()
+    return {
+        "graphs": len(graphs),
+        "batches_tracked": [int(b) for n, b in comp.named_buffers() if n.endswith("num_batches_tracked")],
+        "buffers_equal": all(torch.equal(a, b) for a, b in zip(eager.buffers(), comp.buffers())),
+        "params_equal": all(torch.equal(a, b) for a, b in zip(eager.parameters(), comp.parameters())),
+    }
+
+
+@pytest.mark.parametrize(
+    "order", ["checkpoint_outside_the_wrapper", "checkpoint_inside_the_wrapper", "checkpoint_offloaded"]
+)
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_compiled_checkpointing_updates_norm_statistics_once(pool: RankPool, order: str) -> None:
+    for r in pool.run(_compiled_checkpointed_norms, order):
+        assert r["graphs"] >= 1
+        assert r["batches_tracked"] == [3, 3], "one update per forward, none in the recomputation"
+        assert r["buffers_equal"] and r["params_equal"], "the compiled run is the eager run, bit for bit"
