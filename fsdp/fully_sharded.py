@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -109,7 +109,6 @@ class _RootContext:
     device: DeviceHandle
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
-    wrappers: list[FullyShardedDataParallel]  # root first, then nested wrappers in module order
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
     sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
     bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
@@ -122,7 +121,9 @@ class _RootContext:
         self.device = device
         self.stats = CommStats()
         self.memory = MemoryStats()
-        self.wrappers = wrappers
+        # weakly: the root holds this context, so holding the root here would be a reference cycle
+        # (a deleted model would then wait for the cyclic garbage collector to free its memory)
+        self._wrappers = [weakref.ref(w) for w in wrappers]
         self.callback_queued = False
         self.sync = True
         self.bucketer = None
@@ -130,6 +131,15 @@ class _RootContext:
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
         self.in_flight = collections.deque()
         self.registrations = -1
+
+    @property
+    def wrappers(self) -> list[FullyShardedDataParallel]:
+        """Root first, then the nested wrappers in module order (those still alive)."""
+        return [w for w in self.wrappers_as_built() if w is not None]
+
+    def wrappers_as_built(self) -> list[FullyShardedDataParallel | None]:
+        """The wrappers at the root's lazy init; None for one that was removed and freed since."""
+        return [w() for w in self._wrappers]
 
     def finish_reductions(self) -> None:
         """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
@@ -448,7 +458,9 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         """On the first forward of the outermost wrapper: become root, share one context, check ranks."""
         if self._ctx is not None:
             if self._is_root and self._ctx.registrations != registrations():
-                self._check_modules(self._ctx.wrappers)  # See [Note: parameters added after wrapping]
+                self._check_modules(
+                    self._ctx.wrappers_as_built()
+                )  # See [Note: parameters added after wrapping]
             return
         wrappers = self._wrappers()
         for w in wrappers[1:]:
@@ -478,16 +490,16 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         _make_bucketer(self, ctx)
 
     def _check_modules(
-        self, wrappers: list[FullyShardedDataParallel], ctx: _RootContext | None = None
+        self, built: Sequence[FullyShardedDataParallel | None], ctx: _RootContext | None = None
     ) -> None:
         """Refuse parameters or wrappers added under this root after wrapping. See [Note: parameters
         added after wrapping]."""
         ctx = ctx or self._ctx
         assert ctx is not None
         count = registrations()
-        now = self._wrappers()
-        if [id(w) for w in now] != [id(w) for w in wrappers]:
-            changed = [wrapper_path(self, w) for w in now if all(w is not old for old in wrappers)]
+        wrappers = self._wrappers()
+        if len(wrappers) != len(built) or any(w is not old for w, old in zip(wrappers, built)):
+            changed = [wrapper_path(self, w) for w in wrappers if all(w is not old for old in built)]
             raise RuntimeError(
                 "FullyShardedDataParallel: the wrappers under this root changed after its first forward"
                 + (f" (new: {changed})" if changed else " (one was removed)")

@@ -155,7 +155,9 @@ def move_owned_buffers(
     if is_wrapper(module):  # FSDP(FSDP(m)): the inner wrapper owns them
         return original
 
-    def visit(m: nn.Module, prefix: str) -> None:
+    stack = [(module, "")]  # depth first, in module order (a recursive closure would be a reference cycle)
+    while stack:
+        m, prefix = stack.pop()
         for name, b in m._buffers.items():
             if b is None:
                 continue
@@ -163,9 +165,8 @@ def move_owned_buffers(
             cast = dtype if dtype is not None and b.is_floating_point() else b.dtype
             if b.device != device or b.dtype != cast:
                 m._buffers[name] = b.to(device=device, dtype=cast)
-        for name, child in m._modules.items():
-            if child is not None and not is_wrapper(child):
-                visit(child, prefix + name + ".")
-
-    visit(module, "")
+        children = [
+            (c, prefix + n + ".") for n, c in m._modules.items() if c is not None and not is_wrapper(c)
+        ]
+        stack.extend(reversed(children))
     return original

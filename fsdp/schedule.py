@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import logging
 import warnings
+import weakref
 from typing import Any
 
 from fsdp._device import DeviceHandle
@@ -40,12 +41,13 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     """Owned by the root context; the units are wrappers (anything with ``handles`` and
-    ``_pre_backward_done``)."""
+    ``_pre_backward_done``), held weakly: the root holds this scheduler (through its context), and a
+    cycle through it would leave a deleted model to the cyclic garbage collector."""
 
     config: ScheduleConfig
     device: DeviceHandle
-    order: list[Any]  # units in the order their forward ran in this iteration
-    recorded: list[Any] | None  # the first iteration's order (forward prefetch follows it)
+    order: list[weakref.ref[Any]]  # units in the order their forward ran in this iteration
+    recorded: list[weakref.ref[Any]] | None  # the first iteration's order (forward prefetch follows it)
     forward: bool  # forward prefetch is on (the config's value, or the device's default)
     forward_ok: bool  # forward prefetch still follows the recorded order
     _free_events: collections.deque[Any]  # CUDA events recorded when units were freed (limiter)
@@ -80,22 +82,23 @@ class Scheduler:
         """``unit``'s forward begins (its own parameters are being gathered): record it, and with
         forward prefetch launch the gather of the unit recorded after it."""
         position = len(self.order)
-        self.order.append(unit)
+        self.order.append(weakref.ref(unit))
         if not (self.forward and self.forward_ok and self.recorded is not None):
             return
-        if position >= len(self.recorded) or self.recorded[position] is not unit:
+        if position >= len(self.recorded) or self.recorded[position]() is not unit:
             return  # the mismatch is reported once at the start of the next iteration
         if position + 1 < len(self.recorded):
-            nxt = self.recorded[position + 1]
-            if nxt is not unit:
+            nxt = self.recorded[position + 1]()
+            if nxt is not None and nxt is not unit:
                 self.prefetch(nxt)
 
     def on_backward(self, unit: Any) -> None:
         """``unit``'s backward begins: launch the gather of the unit whose backward comes next."""
         if not self.config.backward_prefetch:
             return
-        for candidate in reversed(self.order):
-            if candidate is not unit and not candidate._pre_backward_done:
+        for ref in reversed(self.order):
+            candidate = ref()
+            if candidate is not None and candidate is not unit and not candidate._pre_backward_done:
                 self.prefetch(candidate)
                 return
 

@@ -169,12 +169,19 @@ def describe(
     buffers: list[BufferSlot] = []
     keys: list[str] = []
 
-    def visit(m: nn.Module, prefix: str, owner: UnitSpec | None, rel: str) -> None:
-        spec = units.get(id(m))
-        if spec is not None:
-            found.append(Unit(prefix[:-1], tuple(spec.handles), spec.no_broadcast_optim_state))
-            visit(spec.wrapped, prefix, spec, "")
-            return
+    # A depth-first walk in nn.Module.state_dict's order (a module's parameters, its buffers, then
+    # each child's subtree), with an explicit stack: a recursive closure would be a reference cycle
+    # that keeps the modules alive until the cyclic garbage collector runs.
+    stack: list[tuple[nn.Module, str, UnitSpec | None, str]] = [(root, "", None, "")]
+    while stack:
+        m, prefix, owner, rel = stack.pop()
+        wrapper_spec = units.get(id(m))
+        if wrapper_spec is not None:
+            found.append(
+                Unit(prefix[:-1], tuple(wrapper_spec.handles), wrapper_spec.no_broadcast_optim_state)
+            )
+            stack.append((wrapper_spec.wrapped, prefix, wrapper_spec, ""))
+            continue
         own = owner.param_order.get(m) if owner is not None else None
         for pname in own if own is not None else [n for n, p in m._parameters.items() if p is not None]:
             loc = where.get((id(m), pname))
@@ -197,11 +204,11 @@ def describe(
             dtype = owner.buffer_dtypes.get(rel + bname, b.dtype) if owner is not None else b.dtype
             buffers.append(BufferSlot(prefix + bname, m, bname, dtype))
             keys.append(prefix + bname)
-        for cname, child in m._modules.items():
-            if child is not None:
-                visit(child, prefix + cname + ".", owner, rel + cname + ".")
+        children = [
+            (c, prefix + n + ".", owner, rel + n + ".") for n, c in m._modules.items() if c is not None
+        ]
+        stack.extend(reversed(children))
 
-    visit(root, "", None, "")
     params = tuple(ParamSlot(names[(id(h), i)][0], h, i, tuple(names[(id(h), i)][1:])) for h, i in order)
     by_handle: dict[int, list[ParamSlot]] = {id(h): [] for u in found for h in u.handles}
     for slot in params:
