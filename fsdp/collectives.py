@@ -31,6 +31,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "broadcast_from_first_rank",
     "get_process_group_cached",
     "hybrid_groups",
     "reduce_scatter",
@@ -380,3 +381,33 @@ def all_gather_ints(
     everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
     all_gather(everyone, mine, group, stats).wait()
     return [tuple(row) for row in everyone.view(world, len(values)).tolist()]
+
+
+def broadcast_from_first_rank(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, device: torch.device, what: str
+) -> None:
+    """Overwrite ``tensors`` in place on every rank with group rank 0's values (torch FSDP's
+    ``sync_module_states``). Collective: a fixed-size exchange of a digest of the shapes and dtypes
+    first, so ranks that hold different tensors raise (on every rank) instead of pairing mismatched
+    broadcasts; then one broadcast per dtype, staged on ``device``."""
+    if _size(group) == 1:
+        return
+    distinct = list({id(t): t for t in tensors}.values())  # (tied tensors once)
+    layout = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in distinct)
+    digests = all_gather_ints([digest_of_text(layout)], group, device)
+    if len(set(digests)) > 1:
+        raise RuntimeError(
+            f"sync_module_states: the ranks hold {what} of different shapes or dtypes, so rank 0's values "
+            "cannot be copied to the others; every rank must build the same model"
+        )
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in distinct:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group_tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in group_tensors])
+            broadcast(flat, 0, group).wait()
+            offset = 0
+            for t in group_tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

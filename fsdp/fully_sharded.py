@@ -52,7 +52,7 @@ from fsdp.api import (
     default_gradient_predivide_factor,
 )
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
-from fsdp.collectives import CommStats
+from fsdp.collectives import CommStats, broadcast_from_first_rank
 from fsdp.consistency import (
     WRAPPED,
     check_hybrid_grids,
@@ -89,6 +89,7 @@ from fsdp.topology import (
     resolve_groups,
     resolve_strategy,
 )
+from fsdp.wrap import AutoWrapPolicy, wrap_children
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
@@ -220,7 +221,10 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         backward_prefetch: bool = True,
         forward_prefetch: bool | None = None,
         limit_all_gathers: bool = True,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        sync_module_states: bool = False,
     ) -> None:
+        options = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
         run_eagerly_under_compile()  # See [Note: torch.compile]
         self._frozen = False
@@ -231,6 +235,13 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
                 "FullyShardedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
             )
+        if not isinstance(sync_module_states, bool):
+            raise TypeError(
+                f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
+            )
+        if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
+            del options["auto_wrap_policy"]
+            wrap_children(module, auto_wrap_policy, type(self), **options)
         offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
         params_to_cpu = offload.params_to_cpu
         compute_device = checked_device(compute_device, "compute_device")
@@ -312,6 +323,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
             groups.dp,
         )
         self.fsdp_config = dataclasses.replace(config, compute_device=device)
+        if sync_module_states:  # rank 0's values, before sharding (after a deferred init)
+            broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
         precision = config.precision
         self._fsdp_wrapped_module = module
         self._outer = None
@@ -341,6 +354,9 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: isinstance(m, FullyShardedDataParallel)
         )
+        if sync_module_states:
+            buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
+            broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
         for handle in self.handles:
             if handle.requires_grad:
                 handle.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]

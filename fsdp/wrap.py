@@ -48,6 +48,7 @@ __all__ = [
     "lambda_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "wrap",
+    "wrap_children",
 ]
 
 # policy(module=..., recurse=..., unwrapped_params=..., module_is_root=...) -> bool (see module docstring)
@@ -290,9 +291,23 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: AutoWrapPolicy | None = None,
     wrapper_types = tuple(
         cls for cls in (ctx.wrapper_cls, kwargs.get("wrapper_cls")) if isinstance(cls, type)
     )
-    walker = _Walker(_policy_caller(policy), wrapper_types, kwargs)
+    walker = _Walker(_policy_caller(policy), wrapper_types, lambda m: wrap(m, **kwargs))
     wrapped, _ = walker.visit(module, module_is_root=True)
     return wrapped
+
+
+def wrap_children(
+    module: nn.Module, auto_wrap_policy: AutoWrapPolicy, wrapper_cls: type, **kwargs: Any
+) -> None:
+    """Wrap the submodules of ``module`` that the policy picks with ``wrapper_cls(m, **kwargs)``, in
+    place, innermost first; never ``module`` itself. Needs no :func:`enable_wrap` context.
+
+    This is torch FSDP's constructor argument ``auto_wrap_policy``: the constructor calls it before
+    wrapping ``module`` itself. Instances of ``wrapper_cls`` are left as they are. A module's
+    ``wrapper_config`` is not read here (it belongs to :func:`wrap`).
+    """
+    walker = _Walker(_policy_caller(auto_wrap_policy), (wrapper_cls,), lambda m: wrapper_cls(m, **kwargs))
+    walker.visit(module, module_is_root=True, wrap_root=False)
 
 
 _PolicyCall = Callable[[nn.Module, bool, int, bool], bool]  # (module, recurse, unwrapped, is_root)
@@ -326,13 +341,15 @@ class _Walker:
 
     policy: _PolicyCall
     wrapper_types: tuple[type, ...]  # instances of these are already wrapped: never entered
-    kwargs: dict[str, Any]  # wrapper kwargs of this auto_wrap call
+    make: Callable[[nn.Module], nn.Module]  # builds the wrapper of a module the policy picked
 
-    def __init__(self, policy: _PolicyCall, wrapper_types: tuple[type, ...], kwargs: dict[str, Any]) -> None:
-        self.policy, self.wrapper_types, self.kwargs = policy, wrapper_types, kwargs
+    def __init__(
+        self, policy: _PolicyCall, wrapper_types: tuple[type, ...], make: Callable[[nn.Module], nn.Module]
+    ) -> None:
+        self.policy, self.wrapper_types, self.make = policy, wrapper_types, make
 
-    def visit(self, module: nn.Module, module_is_root: bool) -> tuple[nn.Module, int]:
-        """Wrap what the policy picks under (and including) ``module``.
+    def visit(self, module: nn.Module, module_is_root: bool, wrap_root: bool = True) -> tuple[nn.Module, int]:
+        """Wrap what the policy picks under (and including, unless not ``wrap_root``) ``module``.
 
         Returns the module (or its wrapper) and how many parameter elements this call wrapped.
         """
@@ -347,8 +364,8 @@ class _Walker:
             if new_child is not child:
                 setattr(module, name, new_child)
             wrapped += numel
-        if self.policy(module, False, unwrapped - wrapped, module_is_root):
-            return wrap(module, **self.kwargs), unwrapped
+        if wrap_root and self.policy(module, False, unwrapped - wrapped, module_is_root):
+            return self.make(module), unwrapped
         return module, wrapped
 
     def unwrapped_numel(self, module: nn.Module) -> int:

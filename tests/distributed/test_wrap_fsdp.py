@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -145,3 +146,106 @@ def test_layers_wrapped_while_building_are_sharded_as_created(pool: RankPool) ->
         # each layer held its 1/N shard (padded up) as soon as wrap() returned inside __init__
         assert at_creation == [math.ceil(n / pool.world_size) for n in full]
         _check(diffs, rank)
+
+
+def _constructor_policy(policy_name: str) -> tuple[list[str], set[str], dict[str, float]]:
+    """torch FSDP's form: ``FSDP(model, auto_wrap_policy=...)`` wraps the picked submodules with the
+    same options, then the model itself."""
+    import torch.distributed.fsdp.wrap as torch_wrap
+
+    torch.manual_seed(0)
+    ref = Stack()
+    policy = {
+        "ours": transformer_auto_wrap_policy({Block}),
+        "torch_function": functools.partial(
+            torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={Block}
+        ),
+        "torch_module_policy": torch_wrap.ModuleWrapPolicy({Block}),
+        # passes the root's 395 elements and each fc's 72: those are wrapped; the root by the constructor only
+        "torch_size": functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=70),
+    }[policy_name]
+    model = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=policy, reshard_after_forward=False)
+    options = {
+        path: m.fsdp_config.sharding.reshard_after_forward
+        for path, m in zip(
+            _wrapped_paths(model), [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+        )
+    }
+    return (
+        _wrapped_paths(model),
+        {str(v) for v in options.values()},
+        compare_training(ref, model, _vec, _mean_sq, steps=3),
+    )
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        ("ours", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        ("torch_function", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        ("torch_module_policy", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        ("torch_size", ["<root>", "blocks.0.fc", "blocks.1.fc", "blocks.2.fc"]),
+    ],
+)
+def test_the_constructor_takes_an_auto_wrap_policy(pool: RankPool, policy: str, expected: list[str]) -> None:
+    for rank, (paths, reshard, diffs) in enumerate(pool.run(_constructor_policy, policy)):
+        assert paths == expected, "the picked submodules are wrapped, the root once"
+        assert reshard == {"False"}, "every wrapper got the constructor's options"
+        _check(diffs, rank)
+
+
+def _rank_seeded_net(rank: int, deferred: bool) -> nn.Sequential:
+    """Rank ``rank``'s draws; a deferred net initialized in the order the wrappers use (the inner
+    unit first, then the root's modules in module order)."""
+    torch.manual_seed(rank)
+    with torch.device("meta" if deferred else "cpu"):
+        net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 3))
+    if not deferred:
+        net[1].running_mean.fill_(float(rank))  # a buffer that differs too
+    return net
+
+
+def _synced(sync: bool, deferred: bool) -> dict[str, float]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    net = _rank_seeded_net(rank, deferred)
+    kwargs: dict[str, Any] = {}
+    if deferred:
+        kwargs["param_init_fn"] = lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None
+    net[2] = FullyShardedDataParallel(net[2], sync_module_states=sync, **kwargs)
+    model = FullyShardedDataParallel(net, sync_module_states=sync, **kwargs)
+    full = model.state_dict()  # the shards of every rank, and this rank's buffers
+    first = _rank_seeded_net(0, deferred)  # what rank 0 drew
+    if deferred:
+        first.to_empty(device="cpu")
+        for i in (2, 0, 1, 3):
+            first[i].reset_parameters()
+    expected = first.state_dict()
+    return {k: (v.float() - expected[k].float()).abs().max().item() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_sync_module_states_gives_every_rank_the_first_ranks_values(pool: RankPool, deferred: bool) -> None:
+    for synced, unsynced in zip(pool.run(_synced, True, deferred), pool.run(_synced, False, deferred)):
+        assert max(synced.values()) == 0.0, f"parameters and buffers are rank 0's on every rank: {synced}"
+        assert max(unsynced.values()) > 0.0, "without the option the other ranks keep their own draws"
+
+
+def _sync_different_shapes() -> str:
+    import torch.distributed as dist
+
+    width = 4 + dist.get_rank()
+    try:
+        FullyShardedDataParallel(nn.Linear(width, 2), sync_module_states=True)
+    except RuntimeError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_sync_module_states_refuses_ranks_with_different_shapes(pool: RankPool) -> None:
+    for message in pool.run(_sync_different_shapes):
+        assert "sync_module_states: the ranks hold parameters of different shapes" in message

@@ -69,6 +69,8 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
         "backward_prefetch",
         "forward_prefetch",
         "limit_all_gathers",
+        "auto_wrap_policy",
+        "sync_module_states",
     ]
     for (name, default), (_, ref_default) in zip(ours, theirs):
         if name == "process_group_reduce_scatter":
