@@ -1,6 +1,6 @@
 """The state-dict and optimizer-state methods of the wrapper, mixed into it.
 
-Each is a thin call into ``fsdp/state_dict.py`` or ``fsdp/optim_state.py`` over the wrapper tree's
+Each is a thin call into ``fsdp/state_dict.py`` (local ones: ``fsdp/state_local.py``) or ``fsdp/optim_state.py`` over the wrapper tree's
 :class:`~fsdp.state_layout.Layout` (``_state_layout()``, which the wrapper provides).
 ``state_dict()`` and ``load_state_dict()`` follow the wrapper's :class:`~fsdp.api.StateDictType`
 (torch FSDP's ``state_dict_type`` context); the default is the full state dict.
@@ -309,7 +309,7 @@ class StateDictMethods:
         strict: bool = True,
     ) -> dict[str, torch.Tensor]:
         """The unwrapped model's full state dict from every rank's local state and metadata dicts, offline
-        (no process group). See :func:`fsdp.state_dict.consolidate_shard_weights`."""
+        (no process group). See :func:`fsdp.state_local.consolidate_shard_weights`."""
         return sd_impl.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def sharded_state_dict(self) -> dict[str, Any]:

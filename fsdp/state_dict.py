@@ -1,14 +1,11 @@
-"""State dicts beyond the full one: local shards, offline consolidation, and the sharded (DCP) form.
+"""State dicts beyond the full one: the sharded (DCP) form, loading a full one, and a wrapper under a plain parent.
 
 The wrapper describes itself once as a :class:`~fsdp.state_layout.Layout` (``describe`` in
 ``fsdp/state_layout.py``: every wrapper's flat parameters, every original parameter, every
 persistent buffer, the unwrapped model's ``state_dict()`` keys). Everything here works on that
 description and never imports the wrapper.
 
-- **local**: this rank's flat shards and the buffers, plus an identity entry (world size, rank and a
-  fingerprint of the wrap plan) that :func:`load_local_state_dict` checks. Same world size, same
-  wrap plan only; :func:`local_metadata_dict` and :func:`consolidate_shard_weights` rebuild a plain
-  state dict from every rank's local shards offline, without a process group.
+- **local**: this rank's flat shards; in ``fsdp/state_local.py`` (re-exported here).
 - **sharded**: one entry per original parameter for ``torch.distributed.checkpoint`` (DCP), which
   reshards it from any world size to any other. See [Note: sharded state dict layout].
 
@@ -48,7 +45,6 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.api import TrainingState
 from fsdp.consistency import plain_name
-from fsdp.handle import FlatParamHandle
 
 # The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
 # __all__), since fully_sharded.py reaches UnitSpec and describe through this module.
@@ -68,6 +64,13 @@ from fsdp.state_layout import (
     to_sharded,
     value_kind,
     write_shard_,
+)
+from fsdp.state_local import (
+    LOCAL_STATE_KEY,
+    consolidate_shard_weights,
+    load_local_state_dict,
+    local_metadata_dict,
+    local_state_dict,
 )
 
 __all__ = [
@@ -104,9 +107,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-LOCAL_STATE_KEY = "_fsdp_local_state"  # identity entry of a local state dict
-FORMAT_VERSION = 1
 
 
 # ---------------------------------------------------------------------- a wrapper under a plain parent
@@ -171,229 +171,6 @@ class _NoChildrenOnce(dict):  # type: ignore[type-arg]
 def skip_children_once(module: nn.Module) -> None:
     """Have torch's load walk, now at ``module``, not descend into it (its part was loaded)."""
     module.__dict__["_modules"] = _NoChildrenOnce(module, module.__dict__["_modules"])
-
-
-# ---------------------------------------------------------------------- local state dict
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _local_identity(layout: Layout) -> dict[str, Any]:
-    return {
-        "version": FORMAT_VERSION,
-        "world_size": layout.world_size,
-        "rank": layout.rank,
-        "plan": layout.fingerprint(),
-    }
-
-
-def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
-    """This rank's flat shards (``"<wrapper path>.flat_param_<i>"``), the buffers, and an identity entry.
-
-    Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
-    model. With ``keep_vars`` the flat parameters and buffers themselves.
-    """
-    out: dict[str, Any] = {}
-    for unit in layout.units:
-        for i, h in enumerate(unit.handles):
-            out[_join(unit.path, f"flat_param_{i}")] = h.flat_param if keep_vars else h.flat_param.detach()
-    for b in layout.buffers:
-        out[b.name] = b.tensor if keep_vars else b.tensor.detach()
-    out[LOCAL_STATE_KEY] = _local_identity(layout)
-    return out
-
-
-def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool = True) -> NamedTuple:
-    """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrap plan.
-
-    Everything is checked before anything is written: on an error the model is unchanged.
-    """
-    ident = state.get(LOCAL_STATE_KEY)
-    mine = _local_identity(layout)
-    where = "FullyShardedDataParallel.load_local_state_dict"
-    if not isinstance(ident, Mapping):
-        raise ValueError(
-            f"{where}: this is not a local state dict (it has no {LOCAL_STATE_KEY!r} entry). Load a full "
-            "state dict with load_state_dict(), a sharded one with load_sharded_state_dict()"
-        )
-    if ident.get("world_size") != mine["world_size"]:
-        raise ValueError(
-            f"{where}: the state dict was saved at world size {ident.get('world_size')} but this model runs on "
-            f"{mine['world_size']} ranks. A local state dict only loads at the world size and wrap plan it was "
-            "saved with; to resume on another number of ranks use fsdp.save_checkpoint/load_checkpoint (or the "
-            "sharded state dict), or consolidate the shards with consolidate_shard_weights()"
-        )
-    if ident.get("rank") != mine["rank"]:
-        raise ValueError(
-            f"{where}: the state dict holds the shards of rank {ident.get('rank')}, not of rank {mine['rank']}; "
-            "every rank must load the file it saved"
-        )
-    if ident.get("plan") != mine["plan"]:
-        raise ValueError(
-            f"{where}: the state dict was saved with a different wrap plan (other wrappers, or other parameter "
-            "names, shapes or dtypes in them). Wrap the model exactly as when it was saved, or resume with "
-            "fsdp.load_checkpoint, which loads into any wrap plan"
-        )
-    expected: dict[str, tuple[int, ...]] = {}
-    targets: dict[str, FlatParamHandle | BufferSlot] = {}
-    for unit in layout.units:
-        for i, h in enumerate(unit.handles):
-            key = _join(unit.path, f"flat_param_{i}")
-            expected[key], targets[key] = (h.spec.chunk,), h
-    for b in layout.buffers:
-        expected[b.name], targets[b.name] = tuple(b.tensor.shape), b
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected and k != LOCAL_STATE_KEY]
-    errors = [
-        f"{k!r}: shape {tuple(state[k].shape)} in the state dict, {shape} in the model"
-        for k, shape in expected.items()
-        if k in state and tuple(getattr(state[k], "shape", ())) != shape
-    ]
-    if strict and missing:
-        errors.append("missing key(s): " + ", ".join(repr(k) for k in missing))
-    if strict and unexpected:
-        errors.append("unexpected key(s): " + ", ".join(repr(k) for k in unexpected))
-    if errors:
-        raise RuntimeError(f"{where}: nothing was loaded:\n  " + "\n  ".join(errors))
-    for key, target in targets.items():
-        if key not in state:
-            continue
-        value = state[key]
-        if isinstance(target, FlatParamHandle):
-            write_shard_(target, [(0, target.spec.chunk, value)])
-        else:
-            with torch.no_grad():
-                target.tensor.copy_(value)
-    return _IncompatibleKeys(missing, unexpected)
-
-
-def local_metadata_dict(layout: Layout) -> dict[str, Any]:
-    """What :func:`consolidate_shard_weights` needs to rebuild full parameters from local shards.
-
-    Keys as in fairscale (``param_metadata``, ``buffer_names``), plus this rank's identity, the
-    buffers' original dtypes and the unwrapped model's state-dict key order.
-    """
-    units = []
-    for unit in layout.units:
-        params = {}
-        shared = []
-        for i, h in enumerate(unit.handles):
-            params[f"flat_param_{i}"] = {
-                "names": [p.fqn for p in h.meta.params],
-                "shapes": [tuple(p.shape) for p in h.meta.params],
-                "numels": [p.numel for p in h.meta.params],
-                "padding": h.spec.pad,
-                "shard_rank": h.spec.rank,
-                "shard_world_size": h.spec.world_size,
-            }
-            shared += [
-                (_join(unit.path, h.meta.params[s.primary].fqn), _join(unit.path, s.fqn))
-                for s in h.meta.shared
-            ]
-        units.append(
-            {
-                "fsdp_path": unit.path,
-                "params": params,
-                "shared_param_info": shared,
-                "no_broadcast_optim_state": unit.no_broadcast_optim_state,
-            }
-        )
-    return {
-        **_local_identity(layout),
-        "param_metadata": units,
-        "buffer_names": [b.name for b in layout.buffers],
-        "buffer_dtypes": {b.name: str(b.dtype).removeprefix("torch.") for b in layout.buffers},
-        "state_dict_keys": list(layout.keys),
-    }
-
-
-def consolidate_shard_weights(
-    shard_weights: Sequence[Mapping[str, Any]],
-    shard_metadata: Sequence[Mapping[str, Any]],
-    with_module_buffers: bool = True,
-    strict: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Rebuild the unwrapped model's state dict from every rank's local shards. No process group.
-
-    ``shard_weights[i]`` / ``shard_metadata[i]`` are rank i's :func:`local_state_dict` /
-    :func:`local_metadata_dict` (any order; with hybrid sharding one replica of each shard is
-    enough). Buffers come from the lowest rank given. ``strict=False`` skips flat parameters and
-    buffers missing from the weights instead of raising.
-    """
-    where = "consolidate_shard_weights"
-    if not shard_weights or len(shard_weights) != len(shard_metadata):
-        raise ValueError(
-            f"{where}: pass one metadata dict per shard dict (got {len(shard_weights)} shard dicts and "
-            f"{len(shard_metadata)} metadata dicts), at least one of each"
-        )
-    if len({m.get("plan") for m in shard_metadata}) > 1:
-        raise ValueError(f"{where}: the shards come from different wrap plans; pass the files of one save")
-    ranks = [int(m.get("rank", i)) for i, m in enumerate(shard_metadata)]
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"{where}: rank(s) {sorted({r for r in ranks if ranks.count(r) > 1})} given twice")
-    order = sorted(range(len(ranks)), key=lambda i: ranks[i])
-    first = shard_metadata[order[0]]
-    out: dict[str, torch.Tensor] = {}
-    for u, unit in enumerate(first["param_metadata"]):
-        path = unit["fsdp_path"]
-        for backing, pmeta in unit["params"].items():
-            key = _join(path, backing)
-            pieces: dict[int, torch.Tensor] = {}
-            absent = [ranks[i] for i in order if key not in shard_weights[i]]
-            if absent:
-                if strict:
-                    raise KeyError(f"{where}: the shard dict of rank(s) {absent} has no {key!r}")
-                continue
-            for i in order:
-                meta_i = shard_metadata[i]["param_metadata"][u]["params"][backing]
-                shard_rank = int(meta_i.get("shard_rank", ranks[i]))
-                if shard_rank not in pieces:  # else: a replica of a shard already taken (hybrid sharding)
-                    flat = shard_weights[i][key].detach().reshape(-1)
-                    pieces[shard_rank] = flat[: flat.numel() - int(meta_i["padding"])]
-            shard_world = int(pmeta.get("shard_world_size", len(shard_weights)))
-            if sorted(pieces) != list(range(shard_world)):
-                raise ValueError(
-                    f"{where}: {key!r} is sharded over {shard_world} ranks but the shards of rank(s) "
-                    f"{sorted(set(range(shard_world)) - set(pieces))} are missing; pass every rank's files"
-                )
-            parts = [pieces[r] for r in range(shard_world)]
-            if len({p.device for p in parts}) > 1:  # e.g. each rank's file loaded onto its own GPU
-                parts = [p.cpu() for p in parts]
-            full = torch.cat(parts)
-            numels = [int(n) for n in pmeta["numels"]]
-            if full.numel() != sum(numels):
-                raise ValueError(
-                    f"{where}: the shards of {key!r} hold {full.numel()} elements but its parameters need "
-                    f"{sum(numels)}; the weights and the metadata come from different saves"
-                )
-            offset = 0
-            for name, numel, shape in zip(pmeta["names"], numels, pmeta["shapes"], strict=True):
-                out[_join(path, name)] = full[offset : offset + numel].view(tuple(shape)).clone()
-                offset += numel
-        for src, dst in unit.get("shared_param_info", []):
-            if src in out:
-                out[dst] = out[src]
-    if with_module_buffers:
-        weights0 = shard_weights[order[0]]
-        dtypes = first.get("buffer_dtypes", {})
-        for name in first.get("buffer_names", []):
-            if name not in weights0:
-                if strict:
-                    raise KeyError(
-                        f"{where}: the shard dict of rank {ranks[order[0]]} has no buffer {name!r}"
-                    )
-                continue
-            value = weights0[name].detach()
-            dtype = getattr(torch, dtypes[name]) if name in dtypes else value.dtype
-            # a copy (the caller's tensor stays theirs), with the parameters when theirs moved to the host
-            device = next(iter(out.values())).device if out else value.device
-            out[name] = value.to(device=device, dtype=dtype, copy=True)
-    keys = first.get("state_dict_keys")
-    if keys is None:
-        return out
-    ordered = {k: out[k] for k in keys if k in out}
-    ordered.update((k, v) for k, v in out.items() if k not in ordered)
-    return ordered
 
 
 # ---------------------------------------------------------------------- sharded (DCP) state dict
