@@ -1,7 +1,8 @@
 """The state-dict and optimizer-state methods of the wrapper, mixed into it.
 
-Each is a thin call into ``fsdp/state_dict.py`` (local ones: ``fsdp/state_local.py``) or ``fsdp/optim_state.py`` over the wrapper tree's
-:class:`~fsdp.state_layout.Layout` (``_state_layout()``, which the wrapper provides).
+Each is a thin call into ``fsdp/state_dict.py`` (local ones: ``fsdp/state_local.py``) or
+``fsdp/optim_state.py`` over the wrapper tree's :class:`~fsdp.state_layout.Layout`
+(``_state_layout()``, which the wrapper provides).
 ``state_dict()`` and ``load_state_dict()`` follow the wrapper's :class:`~fsdp.api.StateDictType`
 (torch FSDP's ``state_dict_type`` context); the default is the full state dict.
 """
