@@ -25,6 +25,7 @@ from fsdp._device import default_compute_device
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "TIMEOUT_HINT",
     "CollectiveKind",
     "CommStats",
     "Pending",
@@ -92,6 +93,17 @@ class CommStats:
             }
 
 
+# Appended to a collective's timeout error: ranks that wait in different collectives are the usual cause.
+TIMEOUT_HINT = (
+    "fsdp: a collective did not complete within the process group's timeout, so the ranks are most likely "
+    "not running the same collectives. Every rank must run the same wrappers in the same order in forward and "
+    "use the outputs of the same wrappers in its loss; call the collective methods (state_dict(), "
+    "summon_full_params(), gather_full_optim_state_dict(), save_checkpoint()) on every rank; and, under "
+    "DistributedDataParallel, change which parameters require grad in the same step on every rank. A rank that "
+    "stopped or raised earlier leaves the others waiting too"
+)
+
+
 @dataclass
 class Pending:
     """A launched collective. ``wait()`` blocks (CPU) or orders the current stream (CUDA) after it.
@@ -112,7 +124,12 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                if "timed out" in str(e).lower():
+                    raise RuntimeError(f"{e}\n{TIMEOUT_HINT}") from e
+                raise
             self.work = None
         if self.then is not None:
             self.output = self.then()

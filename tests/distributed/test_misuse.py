@@ -187,3 +187,53 @@ def test_pool_fails_fast_when_one_rank_raises(pool: RankPool) -> None:
             pool.run(_raises_on_one_rank, timeout=60)
     finally:
         pool.grace = grace
+
+
+class _Branchy(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.out, self.skip = inner, nn.Linear(4, 4), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x if self.skip else self.inner(x))
+
+
+def _diverging_collectives(kind: str) -> str:
+    """Ranks that wait in different collectives time out (on a group with a short timeout); the
+    error keeps the backend's message and adds what usually causes it."""
+    import datetime
+
+    import fsdp
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    try:
+        if kind == "forward":  # rank 1 takes a branch that skips the inner wrapper
+            net = _Branchy(FSDP(nn.Linear(4, 4), process_group=group))
+            root = FSDP(net, process_group=group)
+            root(x).sum().backward()  # the first forward checks that the ranks built the same wrappers
+            net.skip = dist.get_rank() == 1
+            root(x).sum().backward()
+        else:  # DistributedDataParallel: rank 1 freezes a parameter alone
+            ddp = fsdp.DistributedDataParallel(
+                nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), process_group=group
+            )
+            ddp(x).sum().backward()
+            if dist.get_rank() == 1:
+                ddp.module[0].weight.requires_grad_(False)
+            ddp(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dist.barrier()  # (both ranks are past the timed-out group before the next test)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["forward", "ddp_trainable_set"])
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_collective_timeout_says_what_usually_causes_it(pool: RankPool, kind: str) -> None:
+    messages = pool.run(_diverging_collectives, kind, timeout=60)
+    assert any(
+        "fsdp: a collective did not complete within the process group's timeout" in m for m in messages
+    ), messages
