@@ -10,12 +10,13 @@ arithmetic is. The parameters come into those graphs as inputs, so the views mad
 forward cause no recompilation. Registering the package's files with the compiler's skip list is a
 private torch API (``torch._dynamo.trace_rules.add``, present in every supported torch); without it
 a compiled model fails at its first forward instead. ``checkpoint.py`` (activation checkpointing)
-is user computation and stays traceable; where a checkpointed region holds a wrapper, it calls the
-skipped ``_recompute.py``, which runs the region eagerly (see there).
+is user computation and stays traceable; a checkpointed region that holds a wrapper, offloads, or
+holds norms tracking statistics goes through the skipped ``_recompute.py`` and runs eagerly (see there).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import pkgutil
 import sys
@@ -49,6 +50,11 @@ def run_eagerly_under_compile() -> None:
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name not in TRACED_MODULES:
             add(f"{__package__}.{info.name}")
+    # Importing the compiler leaves a frame that refers to itself (torch.fx keeps currentframe() in a
+    # local), and a frame holds its callers: the constructor that got here, with the module and a
+    # deferred-init unit's full parameters, would live until the cyclic collector ran. Collect now,
+    # once per process, so that the first wrapper is freed like every later one.
+    gc.collect()
 
 
 def queue_end_of_backward(callback: Callable[[], None], who: str) -> None:

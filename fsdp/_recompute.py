@@ -1,11 +1,12 @@
 """The eager half of activation checkpointing: torch's checkpoint with batch-norm statistics frozen
 during the recomputation.
 
-This module is on the compiler's skip list (see [Note: torch.compile]), so ``run_eagerly`` always executes
-eagerly, also when it is called from a compiled region: ``checkpoint.py`` calls it for the regions
-the compiler cannot hold in one graph (a region holding a wrapper of this package, or offloading
-its saved inputs), which would otherwise fall back to running eagerly without the freezing context.
-The modules' forwards called inside are still compiled as frames of their own.
+This module is on the compiler's skip list (see [Note: torch.compile]), so ``run_eagerly`` always
+executes eagerly, also when it is called from a compiled region. ``checkpoint.py`` calls it for the
+regions it does not leave to the compiler: one holding a wrapper of this package, one offloading
+its saved inputs, and one holding norms that track statistics (a graph break inside such a region
+would make the compiler fall back to an eager checkpoint without the freezing context). Such a
+region runs uncompiled as a whole: torch's checkpoint function is itself excluded from compilation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from fsdp._device import default_compute_device
 
-__all__ = ["norms_tracking_stats", "run_eagerly"]
+__all__ = ["run_eagerly"]
 
 
 def run_eagerly(
@@ -38,15 +39,6 @@ def run_eagerly(
         with torch.autograd.graph.save_on_cpu(pin_memory=default_compute_device(set()).type == "cuda"):
             return checkpoint(*args)
     return checkpoint(*args)
-
-
-def norms_tracking_stats(module: nn.Module) -> list[nn.Module]:
-    """Batch and instance norms in training mode that update running statistics in forward."""
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
-    ]
 
 
 @contextlib.contextmanager

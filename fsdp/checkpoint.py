@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from fsdp._compile import TRACED_MODULES
-from fsdp._recompute import norms_tracking_stats, run_eagerly
+from fsdp._recompute import run_eagerly
 
 __all__ = ["checkpoint_wrapper", "is_checkpointed"]
 
@@ -75,11 +75,13 @@ def _checkpointed_forward(
         return original(module, *flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
     flat = (*args, *kwargs.values())
-    if torch.compiler.is_compiling() and not offload_to_cpu and not _holds_eager_code(module):
-        # The whole region goes into the compiled graph, whose recomputation does not update the
-        # norms' statistics again (a compiled region takes no context_fn).
+    norms = _norms_tracking_stats(module)
+    if torch.compiler.is_compiling() and not norms and not offload_to_cpu and not _holds_eager_code(module):
+        # The whole region goes into the compiled graph. A region with norms that track statistics
+        # does not: a graph break inside it (or a nested offloading checkpoint) would make the
+        # compiler fall back to an eager checkpoint without the context that freezes them.
         return torch.utils.checkpoint.checkpoint(call, *flat, use_reentrant=False)
-    return run_eagerly(call, flat, offload_to_cpu, norms_tracking_stats(module))
+    return run_eagerly(call, flat, offload_to_cpu, norms)
 
 
 def _holds_eager_code(module: nn.Module) -> bool:
@@ -91,3 +93,12 @@ def _holds_eager_code(module: nn.Module) -> bool:
         for m in module.modules()
         for c in type(m).__mro__
     )
+
+
+def _norms_tracking_stats(module: nn.Module) -> list[nn.Module]:
+    """Batch and instance norms in training mode that update running statistics in forward."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]

@@ -241,7 +241,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
             )
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             del options["auto_wrap_policy"]
-            wrap_children(module, auto_wrap_policy, type(self), **options)
+            wrap_children(module, auto_wrap_policy, FullyShardedDataParallel, **options)  # (not a subclass's)
         offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
         params_to_cpu = offload.params_to_cpu
         compute_device = checked_device(compute_device, "compute_device")

@@ -193,13 +193,17 @@ def test_compiled_autograd_is_refused_not_silently_ignored(pool: RankPool) -> No
 
 
 class NormBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, graph_break: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.norm = nn.BatchNorm1d(8)
+        self.graph_break = graph_break
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.norm(torch.relu(self.lin(x)))
+        h = torch.relu(self.lin(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x + self.norm(h)
 
 
 def _compiled_checkpointed_norms(order: str) -> dict[str, Any]:
@@ -210,6 +214,13 @@ def _compiled_checkpointed_norms(order: str) -> dict[str, Any]:
             m[0] = fsdp.checkpoint_wrapper(FSDP(m[0]))
         elif order == "checkpoint_inside_the_wrapper":
             m[0] = FSDP(fsdp.checkpoint_wrapper(m[0]))
+        elif order == "graph_break_inside_the_checkpoint":
+            m[0].graph_break = True
+            m[0] = FSDP(fsdp.checkpoint_wrapper(m[0]))
+        elif order == "offloading_checkpoint_nested_in_another":
+            m[0] = FSDP(
+                fsdp.checkpoint_wrapper(nn.Sequential(fsdp.checkpoint_wrapper(m[0], offload_to_cpu=True)))
+            )
         else:
             m[0] = FSDP(fsdp.checkpoint_wrapper(m[0], offload_to_cpu=True))
         return FSDP(m)
@@ -230,7 +241,14 @@ def _compiled_checkpointed_norms(order: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "order", ["checkpoint_outside_the_wrapper", "checkpoint_inside_the_wrapper", "checkpoint_offloaded"]
+    "order",
+    [
+        "checkpoint_outside_the_wrapper",
+        "checkpoint_inside_the_wrapper",
+        "checkpoint_offloaded",
+        "graph_break_inside_the_checkpoint",
+        "offloading_checkpoint_nested_in_another",
+    ],
 )
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_compiled_checkpointing_updates_norm_statistics_once(pool: RankPool, order: str) -> None:

@@ -126,3 +126,41 @@ def test_a_deleted_model_is_freed_without_the_cyclic_collector(
 ) -> None:
     for alive in pool.run(_alive_after_delete, name, str(tmp_path)):
         assert alive == [], f"still alive after del, until the cyclic collector runs: {alive[:5]}"
+
+
+_FIRST_WRAPPER = """
+import gc, os, socket, weakref
+import torch, torch.distributed as dist
+from torch import nn
+from fsdp import FullyShardedDataParallel as FSDP
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+gc.disable()
+model = FSDP(nn.Linear(4, 4))  # the first wrapper of the process imports the compiler's skip list
+ref = weakref.ref(model)
+del model
+print("alive" if ref() is not None else "freed")
+"""
+
+
+def test_the_first_wrapper_of_a_process_is_freed_too() -> None:
+    """Importing torch's compiler (which the first wrapper does) leaves a frame cycle that would hold
+    the constructor's frame, and so the wrapper, until the cyclic collector runs."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_WRAPPER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "freed"

@@ -249,3 +249,24 @@ def _sync_different_shapes() -> str:
 def test_sync_module_states_refuses_ranks_with_different_shapes(pool: RankPool) -> None:
     for message in pool.run(_sync_different_shapes):
         assert "sync_module_states: the ranks hold parameters of different shapes" in message
+
+
+class _TaggedFSDP(FullyShardedDataParallel):
+    def __init__(self, module: nn.Module, tag: str, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self.tag = tag
+
+
+def _subclass_root_with_policy() -> list[str]:
+    torch.manual_seed(0)
+    net = Stack()
+    net.blocks[0] = FullyShardedDataParallel(net.blocks[0])  # wrapped by hand before
+    model = _TaggedFSDP(net, tag="root", auto_wrap_policy=transformer_auto_wrap_policy({Block}))
+    assert model.tag == "root"
+    return [type(m).__name__ for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_a_subclass_root_wraps_its_children_with_the_base_class(pool: RankPool) -> None:
+    (types,) = pool.run(_subclass_root_with_policy)
+    assert types == ["_TaggedFSDP"] + ["FullyShardedDataParallel"] * 3, "the hand-wrapped block is kept as is"
