@@ -4,9 +4,15 @@ Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the de
 """
 
 from fsdp.api import (
+    BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalStateDictConfig,
     MixedPrecision,
     ProcessGroupName,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
     ShardingStrategy,
     StateDictSettings,
     StateDictType,
@@ -31,13 +37,19 @@ from fsdp.wrap import (
 
 __all__ = [
     "FSDP",
+    "BackwardPrefetch",
     "CPUOffload",
     "DistributedDataParallel",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalStateDictConfig",
     "MixedPrecision",
     "OffloadModel",
     "ProcessGroupName",
     "ShardedGradScaler",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictSettings",
     "StateDictType",

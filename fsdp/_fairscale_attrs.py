@@ -124,6 +124,9 @@ class FairscaleAttributes:
     no_broadcast_optim_state = _field("no_broadcast_optim_state", "no_broadcast_optim_state")
     allow_reset_parameters = _field("allow_reset_parameters", "allow_reset_parameters")
     verbose = _field("verbose", "verbose")
+    # torch FSDP's
+    forward_prefetch = _field("forward_prefetch", "schedule.forward_prefetch")
+    limit_all_gathers = _field("limit_all_gathers", "schedule.limit_all_gathers")
 
     @_option
     def mixed_precision(self) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
-from fsdp.api import StateDictSettings, StateDictType, TrainingState
+from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch_fsdp
 
 __all__ = ["StateDictMethods"]
 
@@ -116,27 +116,34 @@ class StateDictMethods:
         """Make ``state_dict()`` / ``load_state_dict()`` of every wrapper in ``module`` mean
         ``state_dict_type`` from now on; return the previous :class:`~fsdp.StateDictSettings` (of the
         first wrapper), which ``FSDP.set_state_dict_type(module, *previous)`` restores."""
+        state_dict_type = from_torch_fsdp(state_dict_type)
         if not isinstance(state_dict_type, StateDictType):
             raise TypeError(
                 f"FullyShardedDataParallel.state_dict_type: expected a fsdp.StateDictType, got {state_dict_type!r}"
             )
-        if optim_state_dict_config is not None:
+        if (
+            optim_state_dict_config is not None
+            and state_dict_type is not StateDictType.FULL_STATE_DICT
+            and getattr(optim_state_dict_config, "rank0_only", False)
+        ):
             raise NotImplementedError(
-                "FullyShardedDataParallel.state_dict_type: optim_state_dict_config is not supported; the "
-                "optimizer state comes from gather_full_optim_state_dict() or sharded_optim_state_dict()"
+                f"FullyShardedDataParallel.state_dict_type: the optimizer config's rank0_only applies to FULL_STATE_DICT only, not "
+                f"{state_dict_type.name}"
             )
-        if state_dict_config is not None:
-            if state_dict_type is not StateDictType.FULL_STATE_DICT and any(
-                _config_options(state_dict_config)
-            ):
+        wrappers = _wrappers_in(module)
+        if state_dict_config is not None and state_dict_type is not StateDictType.FULL_STATE_DICT:
+            offload, rank0_only = _config_options(state_dict_config)
+            on_gpu = any(w.compute_device.type != "cpu" for w in wrappers)
+            if rank0_only or (offload and on_gpu):  # (on the CPU the shards are there already)
                 raise NotImplementedError(
-                    f"FullyShardedDataParallel.state_dict_type: offload_to_cpu / rank0_only apply to "
+                    f"FullyShardedDataParallel.state_dict_type: rank0_only, and offload_to_cpu on a GPU, apply to "
                     f"FULL_STATE_DICT only, not {state_dict_type.name}"
                 )
-        wrappers = _wrappers_in(module)
         previous = wrappers[0]._state_dict_settings
         for w in wrappers:
-            w._state_dict_settings = StateDictSettings(state_dict_type, state_dict_config)
+            w._state_dict_settings = StateDictSettings(
+                state_dict_type, state_dict_config, optim_state_dict_config
+            )
         return previous
 
     @staticmethod

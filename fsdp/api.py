@@ -7,6 +7,7 @@ config instead of loose flags that only make sense together.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import numbers
 from dataclasses import dataclass
@@ -16,21 +17,28 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "BackwardPrefetch",
     "CPUOffload",
     "CommConfig",
     "FSDPConfig",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
     "MemoryState",
     "MixedPrecision",
     "OffloadConfig",
     "PrecisionConfig",
     "ProcessGroupName",
     "ScheduleConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingConfig",
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
     "TrainingState",
+    "from_torch_fsdp",
 ]
 
 
@@ -120,6 +128,82 @@ class CPUOffload:
     offload_params: bool = False
 
 
+class BackwardPrefetch(enum.Enum):
+    """torch FSDP's ``backward_prefetch`` values. Both prefetch the same way: when a unit's backward
+    starts, the all-gather of the unit whose backward comes next is launched (torch's
+    ``BACKWARD_PRE``); ``BACKWARD_POST`` is taken as ``BACKWARD_PRE``, with a warning. ``None``
+    (or ``False``) turns prefetch off; ``True`` is ``BACKWARD_PRE``."""
+
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig:
+    """torch FSDP's options of a full state dict, for ``FSDP.state_dict_type(model,
+    StateDictType.FULL_STATE_DICT, FullStateDictConfig(...))``: ``offload_to_cpu`` puts the values
+    on the CPU, ``rank0_only`` gives them to rank 0 alone (the other ranks get an empty dict)."""
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig:
+    """torch FSDP's options of a sharded state dict. ``offload_to_cpu=True`` is refused (the shards
+    stay where the parameters are)."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class LocalStateDictConfig:
+    """torch FSDP's options of a local state dict. ``offload_to_cpu=True`` is refused."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class FullOptimStateDictConfig:
+    """torch FSDP's options of the full optimizer state dict that ``FSDP.optim_state_dict`` returns
+    under ``FULL_STATE_DICT``: ``rank0_only`` gives it to rank 0 alone (the other ranks get an empty
+    dict). It is always built on the CPU, so ``offload_to_cpu`` changes nothing."""
+
+    offload_to_cpu: bool = True
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedOptimStateDictConfig:
+    """torch FSDP's options of a sharded optimizer state dict. Its shards stay where the optimizer
+    keeps its state (the CPU under ``move_params_to_cpu``), whatever ``offload_to_cpu`` says."""
+
+    offload_to_cpu: bool = True
+
+
+_TORCH_TWINS: dict[str, type] = {}  # class name in torch.distributed.fsdp -> ours (filled below)
+
+
+def from_torch_fsdp(value: Any) -> Any:
+    """``value`` as this library's type when it is one of torch FSDP's option objects
+    (``torch.distributed.fsdp.ShardingStrategy``, ``BackwardPrefetch``, ``StateDictType``,
+    ``MixedPrecision``, ``CPUOffload`` and the state dict configs); anything else as it is. So code
+    that only changed the import of the wrapper keeps working with torch's own option objects."""
+    cls = type(value)
+    ours: Any = _TORCH_TWINS.get(cls.__name__)
+    if ours is None or not cls.__module__.startswith("torch.distributed.fsdp"):
+        return value
+    if isinstance(value, enum.Enum):
+        if value.name not in ours.__members__:
+            raise ValueError(
+                f"FullyShardedDataParallel: torch FSDP's {cls.__name__}.{value.name} is not supported; the supported "
+                f"values are {', '.join(ours.__members__)}"
+            )
+        return ours[value.name]
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(ours) if hasattr(value, f.name)}
+    return ours(**fields)
+
+
 def _flag(name: str, value: Any) -> bool:
     """A fairscale on/off flag: a bool, or what fairscale's ``or`` accepts alike (``None``, 0, 1)."""
     if value is None or (isinstance(value, numbers.Integral) and value in (0, 1)):
@@ -152,34 +236,54 @@ _LOW_OR_FULL = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Mixed precision in the style of torch FSDP; accepted as ``mixed_precision=`` by the wrapper.
+    """Mixed precision, field for field torch FSDP's; accepted as ``mixed_precision=`` by the wrapper.
 
-    The fp32 shard stays the master copy the optimizer updates. Before the all-gather it is cast to
-    ``param_dtype`` (so the all-gather moves ``param_dtype`` bytes) and compute runs in it.
-    Gradients are reduced in ``reduce_dtype`` (default: ``param_dtype``) and land on the shard as
-    fp32. Floating-point buffers are kept in ``buffer_dtype`` (default: ``param_dtype``). With
-    ``cast_forward_inputs`` the root casts floating-point inputs to ``param_dtype``.
+    Each dtype left ``None`` means no cast of that kind. The fp32 shard stays the master copy the
+    optimizer updates. With ``param_dtype`` it is cast to ``param_dtype`` before the all-gather (so
+    the all-gather moves ``param_dtype`` bytes) and compute runs in it. Gradients are reduced in
+    ``reduce_dtype`` (default: ``param_dtype``) and land on the shard in its dtype. Floating-point
+    buffers are cast to ``buffer_dtype`` (default: kept as they are). ``cast_root_forward_inputs``:
+    the root casts the fp32 tensors among its inputs to ``param_dtype``; ``cast_forward_inputs``:
+    every wrapper does. ``keep_low_precision_grads=True`` (gradients left in the reduction dtype) is
+    not supported: gradients always land in the master shard's dtype. ``_module_classes_to_ignore``:
+    with the constructor's ``auto_wrap_policy``, modules of these classes (batch norm by default)
+    get wrappers of their own in full precision.
 
     ``mixed_precision=True`` with fairscale's flags maps onto
     ``MixedPrecision(compute_dtype or float16, float32 if fp32_reduce_scatter else None,
-    buffer_dtype, cast_forward_inputs=True)``.
+    buffer_dtype or compute_dtype or float16)``.
     """
 
-    param_dtype: torch.dtype = torch.float16
+    param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: tuple[type[torch.nn.Module], ...] = (torch.nn.modules.batchnorm._BatchNorm,)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
-            if value is None and name != "param_dtype":
-                continue
-            if value not in _LOW_OR_FULL:
+            if value is not None and value not in _LOW_OR_FULL:
                 raise ValueError(
-                    f"MixedPrecision: `{name}` must be torch.float16, torch.bfloat16 or torch.float32, got {value!r}"
+                    f"MixedPrecision: `{name}` must be torch.float16, torch.bfloat16, torch.float32 or None, got "
+                    f"{value!r}"
                 )
-        _check_bool("cast_forward_inputs", self.cast_forward_inputs)
+        for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            _check_bool(name, getattr(self, name))
+        if self.keep_low_precision_grads:
+            raise NotImplementedError(
+                "MixedPrecision: keep_low_precision_grads=True is not supported: reduced gradients always land on "
+                "the fp32 master shard as fp32, where the optimizer steps. Leave it False"
+            )
+        classes = self._module_classes_to_ignore
+        if not isinstance(classes, (tuple, list, set, frozenset)) or not all(
+            isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes
+        ):
+            raise TypeError(
+                f"MixedPrecision: `_module_classes_to_ignore` must be a sequence of nn.Module classes, got {classes!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -193,12 +297,22 @@ class PrecisionConfig:
     param_dtype: torch.dtype | None = None  # dtype of the all-gather and of compute
     reduce_dtype: torch.dtype | None = None  # dtype of the gradient reduction (None: gradient dtype)
     buffer_dtype: torch.dtype | None = None  # floating-point buffers are cast to this (None: kept)
-    cast_forward_inputs: bool = False  # the root casts floating inputs to param_dtype
+    cast_root_forward_inputs: bool = False  # the root casts fp32 inputs to param_dtype
     force_input_to_fp32: bool = False  # every wrapper casts fp16/bf16 inputs to fp32 (full precision)
     clear_autocast_cache: bool = False  # clear torch.autocast's weight cache after each forward
+    cast_forward_inputs: bool = False  # every wrapper casts fp32 inputs to param_dtype
+    record_root_cast: bool = (
+        False  # autograd records the root's cast (torch's way; fairscale's is unrecorded)
+    )
 
     def __post_init__(self) -> None:
-        for name in ("cast_forward_inputs", "force_input_to_fp32", "clear_autocast_cache"):
+        for name in (
+            "cast_root_forward_inputs",
+            "force_input_to_fp32",
+            "clear_autocast_cache",
+            "cast_forward_inputs",
+            "record_root_cast",
+        ):
             _check_bool(name, getattr(self, name))
         if self.force_input_to_fp32 and self.param_dtype is not None:
             raise ValueError(
@@ -335,6 +449,23 @@ class FSDPConfig:
     no_broadcast_optim_state: bool = False
     allow_reset_parameters: bool = False
     verbose: bool = False
+
+
+_TORCH_TWINS.update(
+    (cls.__name__, cls)
+    for cls in (
+        ShardingStrategy,
+        BackwardPrefetch,
+        StateDictType,
+        MixedPrecision,
+        CPUOffload,
+        FullStateDictConfig,
+        ShardedStateDictConfig,
+        LocalStateDictConfig,
+        FullOptimStateDictConfig,
+        ShardedOptimStateDictConfig,
+    )
+)
 
 
 def default_gradient_predivide_factor(world_size: int) -> float:

@@ -35,6 +35,7 @@ from fsdp._device import DeviceHandle, SideCopies
 from fsdp._fairscale_attrs import FairscaleAttributes
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
+from fsdp._torch_compat import TorchFSDPMethods, torch_fsdp_options, wrap_children_with_policy
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -89,7 +90,7 @@ from fsdp.topology import (
     resolve_groups,
     resolve_strategy,
 )
-from fsdp.wrap import AutoWrapPolicy, wrap_children
+from fsdp.wrap import AutoWrapPolicy
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
@@ -148,7 +149,9 @@ class _RootContext:
             self.in_flight.popleft().finalize_gradient(asynchronous=True)
 
 
-class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMethods, nn.Module):
+class FullyShardedDataParallel(
+    FairscaleAttributes, StateDictMethods, StatsMethods, TorchFSDPMethods, nn.Module
+):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel``: the constructor takes the same keyword
@@ -223,6 +226,8 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         limit_all_gathers: bool = True,
         auto_wrap_policy: AutoWrapPolicy | None = None,
         sync_module_states: bool = False,
+        device_id: int | torch.device | None = None,
+        use_orig_params: bool = False,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
@@ -239,9 +244,20 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
             raise TypeError(
                 f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
             )
+        torch_options = torch_fsdp_options(
+            sharding_strategy,
+            mixed_precision,
+            cpu_offload,
+            backward_prefetch,
+            device_id,
+            use_orig_params,
+            compute_device,
+        )
+        sharding_strategy, mixed_precision, cpu_offload, backward_prefetch, compute_device = torch_options
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
-            del options["auto_wrap_policy"]
-            wrap_children(module, auto_wrap_policy, FullyShardedDataParallel, **options)  # (not a subclass's)
+            wrap_children_with_policy(
+                module, auto_wrap_policy, FullyShardedDataParallel, options
+            )  # (not a subclass's)
         offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
         params_to_cpu = offload.params_to_cpu
         compute_device = checked_device(compute_device, "compute_device")
@@ -543,12 +559,7 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         assert self._ctx is not None
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
-        if self._is_root and precision.mixed and precision.cast_forward_inputs:
-            assert precision.param_dtype is not None
-            args, kwargs = cast_inputs((args, kwargs), torch.float32, precision.param_dtype, detach=True)
-        if precision.force_input_to_fp32:
-            for low in (torch.float16, torch.bfloat16):
-                args, kwargs = cast_inputs((args, kwargs), low, torch.float32, detach=False)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         scheduler = self._ctx.scheduler
         if self._is_root:
             scheduler.start_iteration()
@@ -587,14 +598,30 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
         The parameters are already gathered by the pre-backward hook and are freed by the
         post-backward hook, so this only points the module at them and runs it.
         """
-        precision = self.fsdp_config.precision
-        if self._is_root and precision.mixed and precision.cast_forward_inputs:
-            assert precision.param_dtype is not None
-            args, kwargs = cast_inputs((args, kwargs), torch.float32, precision.param_dtype, detach=True)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         for h in self.handles:
             h.unshard()
             h.use_full_views(as_parameters=False)
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """fp32 inputs to the compute dtype (under fairscale's ``mixed_precision=True`` autograd does not
+        record the root's cast, as in fairscale), or low precision inputs to fp32 under ``force_input_to_fp32``."""
+        precision = self.fsdp_config.precision
+        if precision.mixed and (
+            precision.cast_forward_inputs or (self._is_root and precision.cast_root_forward_inputs)
+        ):
+            assert precision.param_dtype is not None
+            args, kwargs = cast_inputs(
+                (args, kwargs),
+                torch.float32,
+                precision.param_dtype,
+                detach=bool(self._is_root) and not precision.record_root_cast,
+            )
+        if precision.force_input_to_fp32:
+            for low in (torch.float16, torch.bfloat16):
+                args, kwargs = cast_inputs((args, kwargs), low, torch.float32, detach=False)
+        return args, kwargs
 
     def _register_pre_backward_hooks(self, outputs: Any) -> None:
         hooked = 0
@@ -721,13 +748,42 @@ class FullyShardedDataParallel(FairscaleAttributes, StateDictMethods, StatsMetho
 
     # ------------------------------------------------------------------ full parameters
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Generator[None, None, None]:
+    def summon_full_params(
+        self,
+        recurse: bool = True,
+        volatile: bool = False,
+        writeback: bool | None = None,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
         """Gather the full parameters and show them under their original names and shapes.
 
         Collective: every rank must enter. Inside the context ``named_parameters()`` yields the
         original parameters (under the plain module's names), full size. On exit, in-place changes to them
-        are written back to the shards unless ``volatile=True``.
+        are written back to the shards unless ``volatile=True`` (torch's ``writeback=False``).
+        torch FSDP's ``FSDP.summon_full_params(model, ...)`` works too, with ``model`` the wrapper;
+        its ``rank0_only`` and ``with_grads`` are refused, and ``offload_to_cpu`` where compute runs
+        on a GPU.
         """
+        if not isinstance(self, FullyShardedDataParallel):
+            raise TypeError(
+                "FullyShardedDataParallel.summon_full_params: pass a FullyShardedDataParallel, got "
+                f"{type(self).__name__}; call it on the outermost wrapper"
+            )
+        if writeback is not None:
+            if volatile and writeback:
+                raise ValueError(
+                    "FullyShardedDataParallel.summon_full_params: volatile=True contradicts writeback=True"
+                )
+            volatile = not writeback
+        if rank0_only or with_grads or (offload_to_cpu and self.compute_device.type != "cpu"):
+            raise NotImplementedError(
+                "FullyShardedDataParallel.summon_full_params: rank0_only, with_grads and offload_to_cpu (on a GPU) are "
+                "not supported; for the values on rank 0 or on the CPU use state_dict() under "
+                "FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, "
+                "rank0_only=True))"
+            )
         wrappers = self._wrappers() if recurse else [self]
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)

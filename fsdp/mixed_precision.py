@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp.api import MixedPrecision, PrecisionConfig
+from fsdp.api import MixedPrecision, PrecisionConfig, from_torch_fsdp
 
 __all__ = ["cast_inputs", "move_owned_buffers", "resolve_precision"]
 
@@ -38,6 +38,7 @@ def resolve_precision(
             f"FullyShardedDataParallel: `buffer_dtype` is the dtype floating-point buffers are cast to, so it "
             f"must be a floating-point dtype, got {buffer_dtype}; pass e.g. torch.float32, or None to keep them"
         )
+    mixed_precision = from_torch_fsdp(mixed_precision)
     if isinstance(mixed_precision, MixedPrecision):
         if compute_dtype is not None or buffer_dtype is not None or fp32_reduce_scatter:
             raise ValueError(
@@ -55,8 +56,8 @@ def resolve_precision(
         mp = MixedPrecision(
             param_dtype=compute_dtype or torch.float16,
             reduce_dtype=torch.float32 if fp32_reduce_scatter else None,
-            buffer_dtype=buffer_dtype,
-            cast_forward_inputs=True,
+            buffer_dtype=buffer_dtype or compute_dtype or torch.float16,
+            cast_root_forward_inputs=True,
         )
     elif mixed_precision is False or mixed_precision is None:
         mp = None
@@ -64,7 +65,7 @@ def resolve_precision(
         raise TypeError(
             f"FullyShardedDataParallel: `mixed_precision` must be a bool or fsdp.MixedPrecision, got {mixed_precision!r}"
         )
-    if mp is None:
+    if mp is None or mp.param_dtype is None:  # no parameter cast (a MixedPrecision may still cast the rest)
         if fp32_reduce_scatter:
             raise ValueError(
                 "FullyShardedDataParallel: fp32_reduce_scatter=True only applies with mixed_precision=True "
@@ -86,6 +87,10 @@ def resolve_precision(
                 raise ValueError(
                     f"FullyShardedDataParallel: parameter {fqn!r} has dtype {p.dtype} and requires grad"
                 )
+        if mp is not None:  # torch's reading: the reduction and the buffers may still be cast
+            return PrecisionConfig(
+                None, mp.reduce_dtype, mp.buffer_dtype, False, force_input_to_fp32, clear_autocast_cache
+            )
         return PrecisionConfig(None, None, buffer_dtype, False, force_input_to_fp32, clear_autocast_cache)
     for fqn, p in owned:
         if p.dtype != torch.float32:
@@ -97,10 +102,12 @@ def resolve_precision(
     return PrecisionConfig(
         mp.param_dtype,
         mp.reduce_dtype,
-        mp.buffer_dtype or mp.param_dtype,
-        mp.cast_forward_inputs,
+        mp.buffer_dtype,
+        mp.cast_root_forward_inputs or mp.cast_forward_inputs,
         force_input_to_fp32,
         clear_autocast_cache,
+        mp.cast_forward_inputs,
+        record_root_cast=mixed_precision is not True,  # (a MixedPrecision: torch's way)
     )
 
 

@@ -93,6 +93,11 @@ CONTRACT = {
         dict(input=BF16, weight=BF16, buffer=F32, output=BF16, all_gather=[SB16], reduce_scatter=[S32],
              master=[S32], grad=[S32], state_dict=[S32]),
     ),
+    "MixedPrecision_reduce_only": (
+        {"mixed_precision": MixedPrecision(reduce_dtype=BF16)}, F32, F32,
+        dict(input=F32, weight=F32, buffer=F32, output=F32, all_gather=[S32], reduce_scatter=[SB16],
+             master=[S32], grad=[S32], state_dict=[S32]),
+    ),
     "pure_fp16": (
         {"compute_dtype": F16}, F16, F16,
         dict(input=F16, weight=F16, buffer=F16, output=F16, all_gather=[S16], reduce_scatter=[S16],

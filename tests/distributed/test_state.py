@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp import FullOptimStateDictConfig, TrainingState
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import TrainingState
 from fsdp.api import MemoryState
 from tests.models import build, wrap
 from tests.rank_pool import RankPool
@@ -383,7 +383,9 @@ def _state_dict_types() -> dict[str, object]:
     for call in (
         lambda: FSDP.state_dict_type(model, "full").__enter__(),
         lambda: FSDP.state_dict_type(ref, StateDictType.FULL_STATE_DICT).__enter__(),
-        lambda: FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, object()).__enter__(),
+        lambda: FSDP.state_dict_type(
+            model, StateDictType.SHARDED_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=True)
+        ).__enter__(),
     ):
         try:
             call()

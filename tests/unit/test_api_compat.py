@@ -71,6 +71,8 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
         "limit_all_gathers",
         "auto_wrap_policy",
         "sync_module_states",
+        "device_id",
+        "use_orig_params",
     ]
     for (name, default), (_, ref_default) in zip(ours, theirs):
         if name == "process_group_reduce_scatter":

@@ -40,3 +40,17 @@ def test_a_checkpointed_module_compiles() -> None:
     assert torch.allclose(compiled(x), ref(x), atol=1e-6)
     compiled(x).sum().backward()
     assert int(block[1].num_batches_tracked) == 2, "two forwards, two updates: the recomputation adds none"
+
+
+def test_a_recomputed_wrapper_casts_its_inputs_as_in_forward(single_rank_group: None) -> None:
+    """``force_input_to_fp32`` casts bf16 inputs to fp32 in forward; the recomputation in backward
+    must cast them again (it used to feed bf16 into the fp32 layers)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = FSDP(nn.Sequential(checkpoint_wrapper(FSDP(copy.deepcopy(ref), force_input_to_fp32=True))))
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    model(x.clone().requires_grad_()).sum().backward()
+    ref(x.float()).sum().backward()
+    grads = torch.cat([p.grad for p in model.parameters() if p.grad is not None])
+    expected = torch.cat([r.grad.flatten() for r in ref.parameters()])
+    torch.testing.assert_close(grads[: expected.numel()], expected)

@@ -1,0 +1,288 @@
+"""torch FSDP1's spellings: a script written for ``torch.distributed.fsdp`` runs after changing the
+import of the wrapper alone, and trains like the plain model."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+import fsdp
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.parity import compare_training
+from tests.rank_pool import RankPool
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.tanh(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, batch_norm: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8) if batch_norm else nn.Identity()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.bn(self.inp(x))))
+
+
+def _vec(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randn(n, 6, generator=g)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _torch_script_options(kind: str) -> dict[str, Any]:
+    """The constructor arguments of a typical torch FSDP1 script, as torch's objects or ours."""
+    lib: Any = torch_fsdp if kind == "torch" else fsdp
+    return {
+        "auto_wrap_policy": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        "sharding_strategy": lib.ShardingStrategy.SHARD_GRAD_OP,
+        "cpu_offload": lib.CPUOffload(offload_params=False),
+        "backward_prefetch": lib.BackwardPrefetch.BACKWARD_PRE,
+        "mixed_precision": lib.MixedPrecision(param_dtype=F32, reduce_dtype=F32),
+        "device_id": torch.device("cpu"),
+        "limit_all_gathers": True,
+        "use_orig_params": False,
+        "sync_module_states": True,
+    }
+
+
+def _config_of(model: FSDP) -> list[tuple[Any, ...]]:
+    return [
+        (w.fsdp_config.sharding, w.fsdp_config.precision, w.fsdp_config.schedule, w.fsdp_config.offload)
+        for w in FSDP.fsdp_modules(model)
+    ]
+
+
+def _train_torch_script(kind: str) -> tuple[list[tuple[Any, ...]], list[str], dict[str, float]]:
+    torch.manual_seed(0)
+    ref = Net()
+    model = FSDP(copy.deepcopy(ref), **_torch_script_options(kind))
+    paths = [n for n, m in model.named_modules() if isinstance(m, FSDP)]
+    return _config_of(model), paths, compare_training(ref, model, _vec, _loss, steps=3)
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_torch_option_objects_configure_the_wrapper_as_ours_do(pool: RankPool) -> None:
+    for (theirs, paths, diffs), (ours, _, _) in zip(
+        pool.run(_train_torch_script, "torch"), pool.run(_train_torch_script, "ours")
+    ):
+        assert theirs == ours, "torch's option objects give the configuration of ours"
+        assert paths == ["", "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"]
+        assert theirs[0][0].strategy is fsdp.ShardingStrategy.SHARD_GRAD_OP
+        assert theirs[0][2].backward_prefetch is True
+        assert max(diffs.values()) < 1e-5, diffs
+
+
+def _reduce_bytes(mp: Any) -> tuple[int, int, torch.dtype]:
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(8, 8), mixed_precision=mp, bucket_cap_mb=0)
+    model(torch.randn(4, 8)).sum().backward()
+    stats = model.comm_stats()
+    return stats["reduce_scatter"]["bytes"], stats["all_gather"]["bytes"], model.flat_param_0.grad.dtype
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_reduce_dtype_alone_casts_the_reduction_only(pool: RankPool) -> None:
+    for (rs_low, ag_low, grad), (rs_full, ag_full, _) in zip(
+        pool.run(_reduce_bytes, fsdp.MixedPrecision(reduce_dtype=BF16)), pool.run(_reduce_bytes, None)
+    ):
+        assert rs_low * 2 == rs_full, "the gradients travel in bf16"
+        assert ag_low == ag_full, "the parameters travel in fp32"
+        assert grad == F32
+
+
+def _batch_norm_apart(ignore: tuple[type, ...] | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = Net(batch_norm=True)
+    # eval mode: normalized by running statistics, so a rank's part of the batch is normalized as in
+    # the whole batch (train mode would use per-rank batch statistics, not those of the plain model)
+    ref.bn.eval()
+    ref.bn.running_mean.normal_()
+    ref.bn.running_var.uniform_(0.5, 2.0)
+    kwargs = {} if ignore is None else {"_module_classes_to_ignore": ignore}
+    mp = torch_fsdp.MixedPrecision(param_dtype=BF16, buffer_dtype=BF16, **kwargs)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, mixed_precision=mp)
+    diffs = compare_training(ref, model, _vec, _loss, steps=2)
+    bn = model.module.bn
+    return {
+        "wrapped": isinstance(bn, FSDP),
+        "mixed": bn.mixed_precision if isinstance(bn, FSDP) else None,
+        "stats": (bn.module if isinstance(bn, FSDP) else bn).running_mean.dtype,
+        "paths": [n for n, m in model.named_modules() if isinstance(m, FSDP)],
+        "loss": diffs["loss"],
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_batch_norm_gets_a_full_precision_wrapper_under_an_auto_wrap_policy(pool: RankPool) -> None:
+    for apart, together in zip(pool.run(_batch_norm_apart, None), pool.run(_batch_norm_apart, ())):
+        assert apart["wrapped"] and apart["mixed"] is False
+        assert apart["stats"] == F32, "its running statistics stay fp32"
+        assert apart["paths"][1] == "_fsdp_wrapped_module.bn"
+        assert apart["loss"] < 0.05, "bf16 training follows the plain model"
+        assert not together["wrapped"] and together["stats"] == BF16, (
+            "_module_classes_to_ignore=() turns it off"
+        )
+
+
+# ---------------------------------------------------------------------- optimizer state, torch's methods
+def _trained(seed: int, auto: bool, steps: int = 2) -> tuple[nn.Module, FSDP, torch.optim.Optimizer]:
+    """A plain reference and its wrapped copy, both trained ``steps`` Adam steps on the same data."""
+    torch.manual_seed(seed)
+    ref = Net()
+    kwargs: dict[str, Any] = {}
+    if auto:
+        kwargs["auto_wrap_policy"] = functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={Block}
+        )
+    model = FSDP(copy.deepcopy(ref), **kwargs)
+    _adam_steps(ref, model, steps)
+    return ref, model, model._test_optim  # type: ignore[return-value]
+
+
+def _adam_steps(ref: nn.Module, model: FSDP, steps: int, start: int = 0) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not hasattr(model, "_test_optim"):
+        model._test_optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ref._test_optim = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(start, start + steps):
+        batch = _vec(torch.Generator().manual_seed(step), 4 * world)
+        for m, x in ((model, batch[4 * rank : 4 * rank + 4]), (ref, batch)):
+            m._test_optim.zero_grad()
+            _loss(m(x)).backward()
+            m._test_optim.step()
+
+
+def _plain_named_state(ref: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    names = [n for n, _ in ref.named_parameters()]
+    return {names[i]: v for i, v in ref._test_optim.state_dict()["state"].items()}
+
+
+def _largest_difference(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for key in a[name]:
+            worst = max(
+                worst,
+                (torch.as_tensor(a[name][key]).float() - torch.as_tensor(b[name][key]).float())
+                .abs()
+                .max()
+                .item(),
+            )
+    return worst
+
+
+def _full_optim_state(rank0_only: bool) -> tuple[bool, float, list[str]]:
+    ref, model, optim = _trained(0, auto=True)
+    config = fsdp.FullOptimStateDictConfig(rank0_only=rank0_only)
+    with FSDP.state_dict_type(model, torch_fsdp.StateDictType.FULL_STATE_DICT, None, config):
+        osd = FSDP.optim_state_dict(model, optim)
+    if not osd:
+        return False, 0.0, []
+    return True, _largest_difference(osd["state"], _plain_named_state(ref)), osd["param_groups"][0]["params"]
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_optim_state_dict_is_keyed_by_name_like_the_plain_optimizers(pool: RankPool) -> None:
+    names = [n for n, _ in Net().named_parameters()]
+    for held, diff, params in pool.run(_full_optim_state, False):
+        assert held, "every rank holds it by default"
+        assert diff < 1e-6 and params == names
+    assert [held for held, _, _ in pool.run(_full_optim_state, True)] == [True, False]
+
+
+def _round_trip(kind: str) -> float:
+    """Save the optimizer state of a model wrapped one way, load it into a model wrapped another way,
+    train both on; the loaded one must follow the uninterrupted reference."""
+    ref, model, optim = _trained(0, auto=True)
+    state_type = getattr(fsdp.StateDictType, kind)
+    with FSDP.state_dict_type(model, state_type):
+        msd, osd = model.state_dict(), FSDP.optim_state_dict(model, optim)
+    fresh = FSDP(Net())  # another wrap plan: one wrapper
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    with FSDP.state_dict_type(fresh, state_type):
+        fresh.load_state_dict(msd)
+        fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, osd))
+    fresh._test_optim = fresh_optim
+    _adam_steps(ref, fresh, 2, start=2)
+    full = fresh.state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_optim_state_dict_round_trips_into_another_wrap_plan(pool: RankPool, kind: str) -> None:
+    assert max(pool.run(_round_trip, kind)) < 1e-6
+
+
+def _full_then_scatter(how: str) -> tuple[float, bool]:
+    _, model, optim = _trained(0, auto=False)
+    full = FSDP.full_optim_state_dict(model, optim, rank0_only=(how == "scatter"))
+    held = bool(full)
+    fresh = FSDP(Net())  # (its values do not matter: only the optimizer state is compared)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    if how == "scatter":
+        shard = FSDP.scatter_full_optim_state_dict(full if dist.get_rank() == 0 else None, fresh)
+    else:
+        shard = FSDP.shard_full_optim_state_dict(full, fresh)
+    fresh_optim.load_state_dict(shard)
+    mine, loaded = optim.state_dict()["state"], fresh_optim.state_dict()["state"]
+    diff = max((mine[i][k].float() - loaded[i][k].float()).abs().max().item() for i in mine for k in mine[i])
+    return diff, held
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_full_optim_state_dict_shards_and_scatters_back(pool: RankPool) -> None:
+    assert pool.run(_full_then_scatter, "shard") == [(0.0, True), (0.0, True)]
+    assert pool.run(_full_then_scatter, "scatter") == [(0.0, True), (0.0, False)]
+
+
+def _bad_calls() -> list[str]:
+    model = FSDP(Net())
+    optim = torch.optim.Adam(model.parameters())
+    errors = []
+    other = dist.new_group([0])
+    for call in (
+        lambda: FSDP.optim_state_dict(nn.Sequential(model), optim),
+        lambda: FSDP.full_optim_state_dict(model, optim, group=other),
+        lambda: FSDP.full_optim_state_dict(model, optim, optim_input=list(model.parameters())),
+    ):
+        try:
+            call()
+        except (TypeError, ValueError, NotImplementedError) as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_optimizer_state_calls_that_cannot_be_honoured_say_why(pool: RankPool) -> None:
+    for errors in pool.run(_bad_calls):
+        assert len(errors) == 3
+        assert "pass the outermost FullyShardedDataParallel" in errors[0]
+        assert "`group` must hold the ranks the model trains over" in errors[1]
+        assert "`optim_input` is not supported" in errors[2]

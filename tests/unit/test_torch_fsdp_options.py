@@ -1,0 +1,203 @@
+"""torch FSDP1's option objects and arguments in one process: MixedPrecision's fields mean what
+torch's do, the constructor takes torch's arguments, and summon_full_params torch's keywords."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+
+import fsdp
+from fsdp import FullyShardedDataParallel as FSDP
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+# ---------------------------------------------------------------------- MixedPrecision, torch's meaning
+class _Probe(nn.Module):
+    """Records the dtype of its input and of its buffer; computes in its weight's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return self.fc(x.to(self.fc.weight.dtype)) * self.scale.to(self.fc.weight.dtype)
+
+
+class _Outer(nn.Module):
+    """Feeds the inner probe an fp32 tensor made inside forward, besides the root's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _Probe()
+        self.inner = _Probe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.ones(x.shape[0], 8) + self.first(x).float())
+
+
+def _cast_inputs(mp: fsdp.MixedPrecision) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = _Outer()
+    net.inner = FSDP(net.inner, mixed_precision=mp)
+    model = FSDP(net, mixed_precision=mp)
+    x = torch.randn(2, 8, requires_grad=True)
+    out = model(x)
+    out.float().sum().backward()
+    inner = net.inner.module
+    return {
+        "root_input": net.first.seen[0],
+        "inner_input": inner.seen[0],
+        "output": out.dtype,
+        "root_buffer": net.first.scale.dtype,
+        "leaf_grad": x.grad is not None,
+        "weight_grad": model.flat_param_0.grad.dtype,
+    }
+
+
+@pytest.mark.parametrize(
+    ("mp", "expected"),
+    [
+        # torch's defaults: the root casts its inputs, nothing else; buffers are kept
+        (
+            fsdp.MixedPrecision(param_dtype=BF16),
+            {"root_input": BF16, "inner_input": F32, "output": BF16, "root_buffer": F32},
+        ),
+        (
+            fsdp.MixedPrecision(param_dtype=BF16, cast_forward_inputs=True, buffer_dtype=BF16),
+            {"root_input": BF16, "inner_input": BF16, "output": BF16, "root_buffer": BF16},
+        ),
+        (
+            fsdp.MixedPrecision(param_dtype=BF16, cast_root_forward_inputs=False),
+            {"root_input": F32, "inner_input": F32, "output": BF16, "root_buffer": F32},
+        ),
+        # no param_dtype: compute stays fp32, only the reduction is cast
+        (
+            fsdp.MixedPrecision(reduce_dtype=BF16),
+            {"root_input": F32, "inner_input": F32, "output": F32, "root_buffer": F32},
+        ),
+    ],
+)
+def test_mixed_precision_fields_mean_what_torchs_do(
+    single_rank_group: None, mp: fsdp.MixedPrecision, expected: dict[str, Any]
+) -> None:
+    seen = _cast_inputs(mp)
+    assert {k: seen[k] for k in expected} == expected
+    assert seen["leaf_grad"], "the root's cast keeps the input's gradient"
+    assert seen["weight_grad"] == F32, "gradients land on the fp32 master shard"
+
+
+def test_keep_low_precision_grads_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="keep_low_precision_grads=True is not supported"):
+        fsdp.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True)
+    with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
+        fsdp.api.from_torch_fsdp(torch_fsdp.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True))
+
+
+# ---------------------------------------------------------------------- constructor arguments
+def test_torch_enum_values_without_a_twin_are_refused(single_rank_group: None) -> None:
+    with pytest.raises(ValueError, match="_HYBRID_SHARD_ZERO2 is not supported"):
+        FSDP(nn.Linear(2, 2), sharding_strategy=torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, False),
+        (torch_fsdp.BackwardPrefetch.BACKWARD_PRE, True),
+        (fsdp.BackwardPrefetch.BACKWARD_PRE, True),
+        (False, False),
+    ],
+)
+def test_backward_prefetch_takes_torchs_values(single_rank_group: None, value: Any, expected: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = FSDP(nn.Linear(2, 2), backward_prefetch=value)
+    assert model.fsdp_config.schedule.backward_prefetch is expected
+
+
+def test_backward_post_is_taken_as_pre_with_a_warning(single_rank_group: None) -> None:
+    with pytest.warns(UserWarning, match="BACKWARD_POST is taken as BACKWARD_PRE"):
+        model = FSDP(nn.Linear(2, 2), backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST)
+    assert model.fsdp_config.schedule.backward_prefetch is True
+
+
+def test_device_id_names_the_compute_device(single_rank_group: None) -> None:
+    assert FSDP(nn.Linear(2, 2), device_id=torch.device("cpu")).compute_device == torch.device("cpu")
+    with pytest.raises(ValueError, match="name different devices"):
+        FSDP(nn.Linear(2, 2), device_id="cpu", compute_device=torch.device("meta"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="not available in this process"):
+            FSDP(nn.Linear(2, 2), device_id=0)
+    with pytest.raises(TypeError, match="device_id"):
+        FSDP(nn.Linear(2, 2), device_id=1.5)
+
+
+def test_use_orig_params_true_is_refused_with_the_reason(single_rank_group: None) -> None:
+    with pytest.raises(
+        NotImplementedError, match="use_orig_params=True is not supported: the optimizer steps"
+    ):
+        FSDP(nn.Linear(2, 2), use_orig_params=True)
+    assert FSDP(nn.Linear(2, 2), use_orig_params=False).forward_prefetch is None
+
+
+def test_fsdp_modules_lists_wrappers_outermost_first(single_rank_group: None) -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[1] = FSDP(net[1])
+    model = FSDP(net)
+    assert FSDP.fsdp_modules(model) == [model, net[1]]
+    assert FSDP.fsdp_modules(nn.Sequential(model), root_only=True) == [model]
+
+
+# ---------------------------------------------------------------------- summon_full_params
+def test_summon_takes_torchs_arguments(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2, bias=False))
+    before = model.state_dict()["weight"].clone()
+    with FSDP.summon_full_params(model, writeback=False):
+        model.module.weight.data.add_(1)
+    assert torch.equal(model.state_dict()["weight"], before), "writeback=False discards the change"
+    with FSDP.summon_full_params(model, writeback=True, offload_to_cpu=True):  # (the CPU already)
+        model.module.weight.data.add_(1)
+    assert torch.equal(model.state_dict()["weight"], before + 1)
+    for kwargs in ({"rank0_only": True}, {"with_grads": True}):
+        with pytest.raises(NotImplementedError, match="rank0_only, with_grads"):
+            with model.summon_full_params(**kwargs):
+                pass
+    with pytest.raises(ValueError, match="contradicts"):
+        with model.summon_full_params(volatile=True, writeback=True):
+            pass
+    with pytest.raises(TypeError, match="pass a FullyShardedDataParallel"):
+        with FSDP.summon_full_params(nn.Sequential(model)):  # type: ignore[arg-type]
+            pass
+
+
+def test_state_dict_type_takes_torchs_types_and_configs(single_rank_group: None) -> None:
+    model = FSDP(nn.Linear(2, 2))
+    sharded = torch_fsdp.StateDictType.SHARDED_STATE_DICT
+    # torch's default sharded configs offload to the CPU: where compute runs on the CPU, that is a no-op
+    with FSDP.state_dict_type(
+        model,
+        sharded,
+        torch_fsdp.ShardedStateDictConfig(offload_to_cpu=True),
+        torch_fsdp.ShardedOptimStateDictConfig(),
+    ):
+        state = model.state_dict()
+        assert FSDP.get_state_dict_type(model).state_dict_type is fsdp.StateDictType.SHARDED_STATE_DICT
+    assert type(state["weight"]).__name__ == "DTensor"
+    for configs in (
+        (fsdp.FullStateDictConfig(rank0_only=True), None),
+        (None, fsdp.FullOptimStateDictConfig(rank0_only=True)),
+    ):
+        with pytest.raises(
+            NotImplementedError, match=r"appl(y|ies) to FULL_STATE_DICT only, not SHARDED_STATE_DICT"
+        ):
+            FSDP.set_state_dict_type(model, sharded, *configs)
+    assert FSDP.get_state_dict_type(model).state_dict_type is fsdp.StateDictType.FULL_STATE_DICT
