@@ -2,7 +2,8 @@
 # Every check and figure that needs a CUDA GPU, in one run, on one GPU:
 #   - the GPU tests (tests/gpu: NCCL parity at world size 1, offload copies on a side stream,
 #     sharded checkpoints of an offloaded model kept on the host, DDP streams, clipping and the
-#     grad scaler's CUDA kernels, torch.compile with inductor against eager training) and
+#     grad scaler's CUDA kernels, torch.compile with inductor against eager training, a torch FSDP1
+#     script with only the wrapper's import changed against torch FSDP1 itself) and
 #     OffloadModel's CUDA tests (parity and peak memory);
 #   - benchmarks/offload_memory.py: peak device memory and step time of OffloadModel and of FSDP with
 #     move_params_to_cpu, against the plain model on the device;

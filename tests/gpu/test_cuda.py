@@ -75,3 +75,12 @@ def test_a_wrapped_model_compiles_with_inductor_on_cuda() -> None:
     for precision in ("fp32", "bf16"):
         first, last = report[precision]["graphs_after_first_and_last_step"]
         assert first >= 1 and first == last, report  # compiled, and no recompilation
+
+
+@pytest.mark.gpu
+def test_a_torch_fsdp1_script_trains_like_torch_fsdp1() -> None:
+    report = _run("cuda_torch_style.py")
+    assert report["param_devices"] == ["cuda:0"] and report["grad_dtypes"] == ["torch.float32"], report
+    assert report["same_keys"], report
+    # both compute in bf16 with fp32 reductions: the same model within bf16 rounding
+    assert report["loss_max_rel_diff"] <= 0.02 and report["state_max_diff"] <= 0.02, report

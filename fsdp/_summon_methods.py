@@ -1,0 +1,156 @@
+"""The wrapper's summon methods, mixed into it: full parameters shown under their original names.
+
+``summon_full_params`` (fairscale's and torch FSDP's keywords), the internal read-only form used by
+the state-dict methods, and the methods that run user code on the full parameters (``apply``,
+``reset_parameters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp.api import FSDPConfig, MemoryState, TrainingState
+from fsdp.handle import FlatParamHandle
+
+__all__ = ["SummonMethods"]
+
+
+class SummonMethods:
+    """``summon_full_params()``, ``apply()`` and ``reset_parameters()``."""
+
+    # provided by the wrapper
+    handles: list[FlatParamHandle]
+    training_state: TrainingState
+    fsdp_config: FSDPConfig
+    _module_param_order: dict[nn.Module, list[str]]
+    _parameters: dict[str, Any]
+
+    @property
+    def compute_device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _wrappers(self) -> list[Any]:
+        raise NotImplementedError
+
+    def assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+        raise NotImplementedError
+
+    def _state(self, state: TrainingState) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def summon_full_params(
+        self,
+        recurse: bool = True,
+        volatile: bool = False,
+        writeback: bool | None = None,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
+        """Gather the full parameters and show them under their original names and shapes.
+
+        Collective: every rank must enter. Inside the context ``named_parameters()`` yields the
+        original parameters (under the plain module's names), full size. On exit, in-place changes to them
+        are written back to the shards unless ``volatile=True`` (torch's ``writeback=False``).
+        torch FSDP's ``FSDP.summon_full_params(model, ...)`` works too, with ``model`` the wrapper;
+        its ``rank0_only`` and ``with_grads`` are refused, and ``offload_to_cpu`` where compute runs
+        on a GPU.
+        """
+        if not isinstance(self, SummonMethods):
+            raise TypeError(
+                "FullyShardedDataParallel.summon_full_params: pass a FullyShardedDataParallel, got "
+                f"{type(self).__name__}; call it on the outermost wrapper"
+            )
+        if writeback is not None:
+            if volatile and writeback:
+                raise ValueError(
+                    "FullyShardedDataParallel.summon_full_params: volatile=True contradicts writeback=True"
+                )
+            volatile = not writeback
+        if rank0_only or with_grads or (offload_to_cpu and self.compute_device.type != "cpu"):
+            raise NotImplementedError(
+                "FullyShardedDataParallel.summon_full_params: rank0_only, with_grads and offload_to_cpu (on a GPU) are "
+                "not supported; for the values on rank 0 or on the CPU use state_dict() under "
+                "FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, "
+                "rank0_only=True))"
+            )
+        wrappers = self._wrappers() if recurse else [self]
+        for w in wrappers:
+            w.assert_state(TrainingState.IDLE)
+        entered: list[SummonMethods] = []
+        # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.
+        snapshots = [
+            (h, h.sharded_data().clone()) for w in wrappers for h in w.handles if volatile and h.aliased
+        ]
+        try:
+            for w in wrappers:
+                w.training_state = TrainingState.SUMMON_FULL_PARAMS
+                entered.append(w)
+                w._show_full_params()
+            yield
+        finally:
+            for w in reversed(entered):
+                w._hide_full_params(write_back=not volatile)
+                w.training_state = TrainingState.IDLE
+            with torch.no_grad():
+                for h, saved in snapshots:
+                    h.sharded_data().copy_(saved)
+
+    @contextlib.contextmanager
+    def _full_params_shown(self) -> Iterator[None]:
+        """This wrapper's full parameters, shown for a read: as the user's summon left them, or
+        gathered for the duration (and discarded after)."""
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            yield
+            return
+        self.assert_state(TrainingState.IDLE)
+        with self._state(TrainingState.SUMMON_FULL_PARAMS):
+            self._show_full_params()
+            try:
+                yield
+            finally:
+                self._hide_full_params(write_back=False)
+
+    def _show_full_params(self) -> None:
+        for h in self.handles:
+            h.unshard(full_precision=True)
+            h.use_full_views(as_parameters=True)
+        for m, order in self._module_param_order.items():  # registration order as before wrapping
+            params = dict(m._parameters)
+            m._parameters.clear()
+            m._parameters.update((n, params.pop(n)) for n in order if n in params)
+            m._parameters.update(params)
+        for i in range(len(self.handles)):
+            self._parameters.pop(f"flat_param_{i}", None)
+
+    def _hide_full_params(self, write_back: bool) -> None:
+        for i, h in enumerate(self.handles):
+            if write_back and h.state is MemoryState.UNSHARDED:
+                h.write_back_()
+            h.reshard(free_full=True)
+            self._parameters[f"flat_param_{i}"] = h.flat_param
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> Any:
+        """``nn.Module.apply`` with this wrapper's full parameters visible to ``fn`` (collective)."""
+        with self.summon_full_params(recurse=False):
+            return nn.Module.apply(self, fn)  # type: ignore[arg-type, type-var]
+
+    def reset_parameters(self) -> None:
+        """Re-initialize the wrapped module (only with ``allow_reset_parameters=True``)."""
+        if not self.fsdp_config.allow_reset_parameters:
+            raise RuntimeError(
+                "FullyShardedDataParallel: reset_parameters() after wrapping is not allowed; pass "
+                "allow_reset_parameters=True if the module's reset_parameters() is safe to run on full parameters"
+            )
+        with self.summon_full_params(recurse=False):
+            self.module.reset_parameters()  # type: ignore[operator]
