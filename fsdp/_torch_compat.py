@@ -34,19 +34,20 @@ def torch_fsdp_options(
     device_id: Any,
     use_orig_params: Any,
     compute_device: Any,
-) -> tuple[Any, Any, Any, bool, Any]:
+    flatten_parameters: Any,
+) -> tuple[Any, Any, Any, bool, Any, Any]:
     """The constructor's torch-FSDP arguments in this library's terms: ``(sharding_strategy,
-    mixed_precision, cpu_offload, backward_prefetch, compute_device)``."""
-    if use_orig_params is not False:
-        if use_orig_params is True:
-            raise NotImplementedError(
-                "FullyShardedDataParallel: use_orig_params=True is not supported: the optimizer steps on the flat "
-                "parameters (build it from model.parameters() after wrapping). Per-parameter settings such as weight "
-                "decay go in separate wrappers, whose flat parameters can sit in separate param groups"
-            )
+    mixed_precision, cpu_offload, backward_prefetch, compute_device, flatten_parameters)``.
+
+    ``use_orig_params=True`` is ``flatten_parameters=False``: ``parameters()`` are then one 1-D
+    shard per original parameter, under its name, which is what torch's ``use_orig_params=True``
+    shows the optimizer outside forward."""
+    if not isinstance(use_orig_params, bool):
         raise TypeError(
             f"FullyShardedDataParallel: `use_orig_params` must be a bool, got {use_orig_params!r}"
         )
+    if use_orig_params:
+        flatten_parameters = False
     if device_id is not None:
         if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
             raise TypeError(
@@ -65,6 +66,7 @@ def torch_fsdp_options(
         from_torch_fsdp(cpu_offload),
         _prefetch_flag(from_torch_fsdp(backward_prefetch)),
         compute_device,
+        flatten_parameters,
     )
 
 

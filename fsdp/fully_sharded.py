@@ -252,8 +252,16 @@ class FullyShardedDataParallel(
             device_id,
             use_orig_params,
             compute_device,
+            flatten_parameters,
         )
-        sharding_strategy, mixed_precision, cpu_offload, backward_prefetch, compute_device = torch_options
+        (
+            sharding_strategy,
+            mixed_precision,
+            cpu_offload,
+            backward_prefetch,
+            compute_device,
+            flatten_parameters,
+        ) = torch_options
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options

@@ -148,6 +148,40 @@ def test_batch_norm_gets_a_full_precision_wrapper_under_an_auto_wrap_policy(pool
         )
 
 
+def _param_groups_by_name() -> tuple[list[str], float]:
+    """torch's use_orig_params=True idiom: AdamW groups picked by parameter name (no decay for biases
+    and norms); the wrapped model must train like the plain one with the same groups."""
+    torch.manual_seed(0)
+    ref = Net()
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, use_orig_params=True)
+
+    def groups(m: nn.Module) -> list[dict[str, Any]]:
+        named = list(m.named_parameters())
+        plain = [p for n, p in named if n.endswith("bias") or "norm" in n]
+        decayed = [p for n, p in named if not (n.endswith("bias") or "norm" in n)]
+        return [{"params": decayed, "weight_decay": 0.5}, {"params": plain, "weight_decay": 0.0}]
+
+    optims = [torch.optim.AdamW(groups(m), lr=1e-2) for m in (model, ref)]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(3):
+        batch = _vec(torch.Generator().manual_seed(step), 4 * world)
+        for m, x, opt in ((model, batch[4 * rank : 4 * rank + 4], optims[0]), (ref, batch, optims[1])):
+            opt.zero_grad()
+            _loss(m(x)).backward()
+            opt.step()
+    full = model.state_dict()
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return sorted(n for n, _ in model.named_parameters()), diff
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_use_orig_params_lets_the_optimizer_group_parameters_by_name(pool: RankPool) -> None:
+    for names, diff in pool.run(_param_groups_by_name):
+        assert names == sorted(n for n, _ in Net().named_parameters())
+        assert diff < 1e-5
+
+
 # ---------------------------------------------------------------------- optimizer state, torch's methods
 def _trained(seed: int, auto: bool, steps: int = 2) -> tuple[nn.Module, FSDP, torch.optim.Optimizer]:
     """A plain reference and its wrapped copy, both trained ``steps`` Adam steps on the same data."""

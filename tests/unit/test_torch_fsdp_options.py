@@ -141,12 +141,18 @@ def test_device_id_names_the_compute_device(single_rank_group: None) -> None:
         FSDP(nn.Linear(2, 2), device_id=1.5)
 
 
-def test_use_orig_params_true_is_refused_with_the_reason(single_rank_group: None) -> None:
-    with pytest.raises(
-        NotImplementedError, match="use_orig_params=True is not supported: the optimizer steps"
-    ):
-        FSDP(nn.Linear(2, 2), use_orig_params=True)
-    assert FSDP(nn.Linear(2, 2), use_orig_params=False).forward_prefetch is None
+def test_use_orig_params_true_keeps_one_named_shard_per_parameter(single_rank_group: None) -> None:
+    model = FSDP(nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3)), use_orig_params=True)
+    assert not model.fsdp_config.sharding.flatten_parameters
+    assert [(n, p.ndim) for n, p in model.named_parameters()] == [
+        ("0.weight", 1),
+        ("0.bias", 1),
+        ("1.weight", 1),
+        ("1.bias", 1),
+    ]
+    assert FSDP(nn.Linear(2, 2), use_orig_params=False).fsdp_config.sharding.flatten_parameters
+    with pytest.raises(TypeError, match="use_orig_params"):
+        FSDP(nn.Linear(2, 2), use_orig_params=1)
 
 
 def test_fsdp_modules_lists_wrappers_outermost_first(single_rank_group: None) -> None:
