@@ -19,6 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, FSDPConfig, MixedPrecision, StateDictType, from_torch_fsdp
+from fsdp.mixed_precision import cast_inputs
+from fsdp.nest import visit_tensors
+from fsdp.topology import checked_device
 from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children
 
 __all__ = ["TorchFSDPMethods", "torch_fsdp_options", "wrap_children_with_policy"]
@@ -53,7 +56,9 @@ def torch_fsdp_options(
             raise TypeError(
                 f"FullyShardedDataParallel: `device_id` must be a CUDA device index or a torch.device, got {device_id!r}"
             )
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        device = checked_device(
+            torch.device("cuda", device_id) if isinstance(device_id, int) else device_id, "device_id"
+        )
         if compute_device is not None and torch.device(compute_device) != device:
             raise ValueError(
                 f"FullyShardedDataParallel: device_id={device_id!r} and compute_device={compute_device!r} name different "
@@ -92,26 +97,48 @@ def wrap_children_with_policy(
     module: nn.Module, policy: AutoWrapPolicy, wrapper_cls: type, options: Mapping[str, Any]
 ) -> None:
     """The constructor's ``auto_wrap_policy``: wrap what ``policy`` picks under ``module`` with the
-    constructor's other ``options`` (torch's rule). Under a ``MixedPrecision`` that casts
-    parameters, the modules of its ``_module_classes_to_ignore`` (batch norm) are wrapped first, in
-    full precision, as torch FSDP does."""
+    constructor's other ``options`` (torch's rule). Under a ``MixedPrecision``, the modules of its
+    ``_module_classes_to_ignore`` (batch norm) are wrapped first, in full precision, and run in fp32
+    between casts of their inputs and outputs, as torch FSDP does."""
+    if not callable(policy):  # before anything is wrapped
+        raise TypeError(f"FullyShardedDataParallel: auto_wrap_policy must be callable, got {policy!r}")
     options = {k: v for k, v in options.items() if k != "auto_wrap_policy"}
     mp = from_torch_fsdp(options.get("mixed_precision"))
-    if isinstance(mp, MixedPrecision) and mp.param_dtype is not None and mp._module_classes_to_ignore:
-        classes = set(mp._module_classes_to_ignore)
-        if any(isinstance(m, tuple(classes)) for m in module.modules() if m is not module):
+    if isinstance(mp, MixedPrecision) and mp._module_classes_to_ignore:
+        classes = tuple(set(mp._module_classes_to_ignore))
+        ignored = [m for m in module.modules() if m is not module and isinstance(m, classes)]
+        if ignored:
             log.info(
                 "FullyShardedDataParallel: modules of %s get wrappers of their own in full precision "
                 "(MixedPrecision._module_classes_to_ignore)",
-                sorted(c.__name__ for c in classes),
+                sorted({type(m).__name__ for m in ignored}),
             )
             wrap_children(
                 module,
-                transformer_auto_wrap_policy(classes),
+                transformer_auto_wrap_policy(set(classes)),
                 wrapper_cls,
                 **{**options, "mixed_precision": None},
             )
+            for m in ignored:
+                _run_in_fp32(m)
     wrap_children(module, policy, wrapper_cls, **options)
+
+
+def _run_in_fp32(module: nn.Module) -> None:
+    """Cast the floating inputs of ``module`` to fp32 and its outputs back to the inputs' dtype
+    (torch FSDP's hooks on the modules mixed precision ignores)."""
+    seen: list[torch.dtype] = []  # the first floating input's dtype in the current call (no cycle)
+
+    def to_fp32(_: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        seen.clear()
+        visit_tensors((args, kwargs), lambda t: seen.append(t.dtype) if t.is_floating_point() else None, [])
+        return cast_inputs((args, kwargs), None, torch.float32, detach=False)  # type: ignore[no-any-return]
+
+    def back(_: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        return cast_inputs(output, None, seen[0], detach=False) if seen else output
+
+    module.register_forward_pre_hook(to_fp32, with_kwargs=True)
+    module.register_forward_hook(back, with_kwargs=True)
 
 
 def _root(model: nn.Module, what: str, group: Any = None) -> Any:
@@ -135,8 +162,14 @@ def _root(model: nn.Module, what: str, group: Any = None) -> Any:
     return model
 
 
-def _to_named(full: Mapping[str, Any]) -> dict[str, Any]:
-    """A full optimizer state dict keyed by ids (with ``param_names``) as torch's FQN-keyed form."""
+def _full_named(root: Any, optim: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
+    """The full optimizer state keyed by parameter name (torch's full form), on rank 0 or on every
+    rank; ``{}`` on the others. Collective."""
+    full = root.gather_full_optim_state_dict(optim)
+    if not rank0_only:
+        full = _broadcast_object(full, root._state_layout())
+    if full is None:
+        return {}
     names = full["param_names"]
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]]
     for g in groups:
@@ -145,25 +178,9 @@ def _to_named(full: Mapping[str, Any]) -> dict[str, Any]:
     return {**extras, "state": {names[i]: v for i, v in full["state"].items()}, "param_groups": groups}
 
 
-def _from_named(named: Mapping[str, Any]) -> dict[str, Any]:
-    """torch's FQN-keyed full optimizer state dict as the id-keyed form with ``param_names``."""
-    names = [n for g in named["param_groups"] for n in g["params"]]
-    if not all(isinstance(n, str) for n in names):
-        raise ValueError(
-            "FullyShardedDataParallel.optim_state_dict_to_load: under FULL_STATE_DICT the state dict must be keyed by "
-            "parameter name, as optim_state_dict() returns it; for one keyed by ids use shard_full_optim_state_dict"
-        )
-    ids = {n: i for i, n in enumerate(names)}
-    groups = [{**g, "params": [ids[n] for n in g["params"]]} for g in named["param_groups"]]
-    unknown = sorted(set(named["state"]) - set(ids))
-    if unknown:
-        raise ValueError(
-            f"FullyShardedDataParallel.optim_state_dict_to_load: the state names parameters no param group lists: "
-            f"{unknown[:5]}"
-        )
-    extras = {k: v for k, v in named.items() if k not in ("state", "param_groups")}
-    state = {ids[n]: v for n, v in named["state"].items()}
-    return {**extras, "state": state, "param_groups": groups, "param_names": names}
+def _optim_rank0_only(root: Any) -> bool:
+    config = root._state_dict_settings.optim_state_dict_config
+    return bool(getattr(config, "rank0_only", False))
 
 
 def _broadcast_object(obj: Any, layout: Any) -> Any:
@@ -198,15 +215,12 @@ class TorchFSDPMethods:
         rank0_only: bool = True,
         group: Any = None,
     ) -> dict[str, Any]:
-        """The optimizer state a plain optimizer over the unwrapped model would have (ids in
-        ``model.parameters()`` order, plus ``"param_names"``), on rank 0 (with ``rank0_only``, the
-        other ranks get ``{}``) or on every rank. Collective."""
+        """The optimizer state a plain optimizer over the unwrapped model would have, keyed by
+        parameter name as torch's is, on rank 0 (with ``rank0_only``, the other ranks get ``{}``)
+        or on every rank. Collective."""
         root = _root(model, "full_optim_state_dict", group)
         _refuse(optim_input=optim_input)
-        full = root.gather_full_optim_state_dict(optim)
-        if not rank0_only:
-            full = _broadcast_object(full, root._state_layout())
-        return full if full is not None else {}
+        return _full_named(root, optim, rank0_only)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -253,7 +267,13 @@ class TorchFSDPMethods:
         ``FullOptimStateDictConfig(rank0_only=True)``: the others get ``{}``); under
         ``SHARDED_STATE_DICT`` row-sharded DTensors. Collective."""
         root = _root(model, "optim_state_dict", group)
-        _refuse(optim_state_dict=optim_state_dict)
+        if optim_state_dict is not None and set(optim_state_dict.get("state", {})) != set(
+            optim.state_dict()["state"]
+        ):
+            raise NotImplementedError(
+                "FullyShardedDataParallel.optim_state_dict: an `optim_state_dict` other than optim.state_dict() is not "
+                "supported; leave it unset (the optimizer's own state is read)"
+            )
         kind = root._state_dict_type
         if kind is StateDictType.SHARDED_STATE_DICT:
             return root.sharded_optim_state_dict(optim)  # type: ignore[no-any-return]
@@ -262,12 +282,7 @@ class TorchFSDPMethods:
                 f"FullyShardedDataParallel.optim_state_dict: {kind.name} has no optimizer state form; use "
                 "FULL_STATE_DICT or SHARDED_STATE_DICT"
             )
-        config = root._state_dict_settings.optim_state_dict_config
-        rank0_only = bool(getattr(config, "rank0_only", False))
-        full = root.gather_full_optim_state_dict(optim)
-        if not rank0_only:
-            full = _broadcast_object(full, root._state_layout())
-        return _to_named(full) if full is not None else {}
+        return _full_named(root, optim, _optim_rank0_only(root))
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -279,9 +294,10 @@ class TorchFSDPMethods:
         group: Any = None,
     ) -> dict[str, Any]:
         """What ``optim.load_state_dict`` takes, from an :meth:`optim_state_dict` saved at any world
-        size (under the same state dict type). Every rank passes the whole dict under
-        ``FULL_STATE_DICT``. ``load_directly=True`` loads it into ``optim`` too. Collective under
-        ``SHARDED_STATE_DICT``."""
+        size (under the same state dict type). Under ``FULL_STATE_DICT`` every rank passes the whole
+        dict, or, with ``FullOptimStateDictConfig(rank0_only=True)``, rank 0 does and rank 0 sends it
+        to the others. ``load_directly=True`` loads it into ``optim`` too. Collective under
+        ``SHARDED_STATE_DICT`` and with ``rank0_only``."""
         root = _root(model, "optim_state_dict_to_load", group)
         if is_named_optimizer:
             raise NotImplementedError(
@@ -297,7 +313,10 @@ class TorchFSDPMethods:
                 f"FullyShardedDataParallel.optim_state_dict_to_load: {root._state_dict_type.name} has no optimizer "
                 "state form; use FULL_STATE_DICT or SHARDED_STATE_DICT"
             )
-        shard: dict[str, Any] = root.get_shard_from_optim_state_dict(_from_named(optim_state_dict), optim)
+        if _optim_rank0_only(root):
+            layout = root._state_layout()
+            optim_state_dict = _broadcast_object(optim_state_dict if layout.rank == 0 else None, layout)
+        shard: dict[str, Any] = root.get_shard_from_optim_state_dict(optim_state_dict, optim)
         if load_directly:
             optim.load_state_dict(shard)
         return shard

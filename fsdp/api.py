@@ -150,15 +150,16 @@ class FullStateDictConfig:
 
 @dataclass(frozen=True)
 class ShardedStateDictConfig:
-    """torch FSDP's options of a sharded state dict. ``offload_to_cpu=True`` is refused (the shards
-    stay where the parameters are)."""
+    """torch FSDP's options of a sharded state dict. ``offload_to_cpu=True`` is accepted where
+    compute runs on the CPU (the shards are there already) and refused on a GPU."""
 
     offload_to_cpu: bool = False
 
 
 @dataclass(frozen=True)
 class LocalStateDictConfig:
-    """torch FSDP's options of a local state dict. ``offload_to_cpu=True`` is refused."""
+    """torch FSDP's options of a local state dict. ``offload_to_cpu=True`` is accepted where compute
+    runs on the CPU and refused on a GPU."""
 
     offload_to_cpu: bool = False
 
@@ -243,11 +244,12 @@ class MixedPrecision:
     the all-gather moves ``param_dtype`` bytes) and compute runs in it. Gradients are reduced in
     ``reduce_dtype`` (default: ``param_dtype``) and land on the shard in its dtype. Floating-point
     buffers are cast to ``buffer_dtype`` (default: kept as they are). ``cast_root_forward_inputs``:
-    the root casts the fp32 tensors among its inputs to ``param_dtype``; ``cast_forward_inputs``:
-    every wrapper does. ``keep_low_precision_grads=True`` (gradients left in the reduction dtype) is
-    not supported: gradients always land in the master shard's dtype. ``_module_classes_to_ignore``:
-    with the constructor's ``auto_wrap_policy``, modules of these classes (batch norm by default)
-    get wrappers of their own in full precision.
+    the root casts the floating tensors among its inputs to ``param_dtype`` (recorded by autograd);
+    ``cast_forward_inputs``: every wrapper does. ``keep_low_precision_grads=True`` (gradients left in
+    the reduction dtype) is not supported: gradients always land in the master shard's dtype.
+    ``_module_classes_to_ignore``: with the constructor's ``auto_wrap_policy``, modules of these
+    classes (batch norm by default) get wrappers of their own in full precision and run in fp32,
+    their inputs cast to fp32 and their outputs back to the inputs' dtype.
 
     ``mixed_precision=True`` with fairscale's flags maps onto
     ``MixedPrecision(compute_dtype or float16, float32 if fp32_reduce_scatter else None,
@@ -297,13 +299,13 @@ class PrecisionConfig:
     param_dtype: torch.dtype | None = None  # dtype of the all-gather and of compute
     reduce_dtype: torch.dtype | None = None  # dtype of the gradient reduction (None: gradient dtype)
     buffer_dtype: torch.dtype | None = None  # floating-point buffers are cast to this (None: kept)
-    cast_root_forward_inputs: bool = False  # the root casts fp32 inputs to param_dtype
+    cast_root_forward_inputs: bool = False  # the root casts floating inputs to param_dtype
     force_input_to_fp32: bool = False  # every wrapper casts fp16/bf16 inputs to fp32 (full precision)
     clear_autocast_cache: bool = False  # clear torch.autocast's weight cache after each forward
-    cast_forward_inputs: bool = False  # every wrapper casts fp32 inputs to param_dtype
-    record_root_cast: bool = (
-        False  # autograd records the root's cast (torch's way; fairscale's is unrecorded)
-    )
+    cast_forward_inputs: bool = False  # every wrapper casts floating inputs to param_dtype
+    # torch's casts (a MixedPrecision): every floating dtype, recorded by autograd; fairscale's
+    # (mixed_precision=True): fp32 inputs only, and the root's cast unrecorded
+    torch_input_casts: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -311,7 +313,7 @@ class PrecisionConfig:
             "force_input_to_fp32",
             "clear_autocast_cache",
             "cast_forward_inputs",
-            "record_root_cast",
+            "torch_input_casts",
         ):
             _check_bool(name, getattr(self, name))
         if self.force_input_to_fp32 and self.param_dtype is not None:

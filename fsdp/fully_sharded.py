@@ -613,18 +613,20 @@ class FullyShardedDataParallel(
         return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """fp32 inputs to the compute dtype (under fairscale's ``mixed_precision=True`` autograd does not
-        record the root's cast, as in fairscale), or low precision inputs to fp32 under ``force_input_to_fp32``."""
+        """Inputs to the compute dtype: under a ``MixedPrecision`` every floating one, recorded by autograd
+        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's).
+        Or low precision inputs to fp32 under ``force_input_to_fp32``."""
         precision = self.fsdp_config.precision
         if precision.mixed and (
             precision.cast_forward_inputs or (self._is_root and precision.cast_root_forward_inputs)
         ):
             assert precision.param_dtype is not None
+            torch_way = precision.torch_input_casts
             args, kwargs = cast_inputs(
                 (args, kwargs),
-                torch.float32,
+                None if torch_way else torch.float32,
                 precision.param_dtype,
-                detach=bool(self._is_root) and not precision.record_root_cast,
+                detach=bool(self._is_root) and not torch_way,
             )
         if precision.force_input_to_fp32:
             for low in (torch.float16, torch.bfloat16):

@@ -107,18 +107,19 @@ def resolve_precision(
         force_input_to_fp32,
         clear_autocast_cache,
         mp.cast_forward_inputs,
-        record_root_cast=mixed_precision is not True,  # (a MixedPrecision: torch's way)
+        torch_input_casts=mixed_precision is not True,  # (a MixedPrecision: torch's way)
     )
 
 
-def cast_inputs(obj: Any, src: torch.dtype, dst: torch.dtype, detach: bool) -> Any:
-    """Cast every ``src`` tensor in a nest of tuples, lists and dicts to ``dst``.
+def cast_inputs(obj: Any, src: torch.dtype | None, dst: torch.dtype, detach: bool) -> Any:
+    """Cast every ``src`` tensor (``None``: every floating-point one) in a nest of tuples, lists and
+    dicts to ``dst``.
 
     With ``detach`` the cast is not recorded by autograd (the root's inputs), and a leaf keeps its
     ``requires_grad``; otherwise gradients flow back through the cast.
     """
     if isinstance(obj, torch.Tensor):
-        if obj.dtype != src:
+        if obj.dtype == dst or (obj.dtype != src if src is not None else not obj.is_floating_point()):
             return obj
         if detach:
             with torch.no_grad():

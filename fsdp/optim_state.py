@@ -10,7 +10,8 @@ parameter. This module converts that state to and from two forms keyed per origi
   group in the model's ``named_parameters()`` order, every per-element tensor shaped like its
   parameter, scalar state copied to every parameter of the flat parameter. It adds
   ``"param_names"`` (id -> name). :func:`get_shard_from_optim_state_dict` turns such a dict back
-  into this rank's optimizer state at any world size and any wrap plan.
+  into this rank's optimizer state at any world size and any wrap plan; it also reads the same
+  dict keyed by parameter name instead of id (torch FSDP's full form).
 - **sharded** (DCP): ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``,
   the layout of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, with
   per-element state as row-sharded DTensors like the parameters (see [Note: sharded state dict
@@ -317,7 +318,8 @@ def get_shard_from_optim_state_dict(
 ) -> dict[str, Any]:
     """This rank's optimizer state dict, to pass to ``optim.load_state_dict``, from a full one. Not collective.
 
-    ``full`` comes from :func:`gather_full_optim_state_dict` (any world size, any wrap plan), or is
+    ``full`` comes from :func:`gather_full_optim_state_dict` (any world size, any wrap plan), is
+    keyed by parameter name (torch FSDP's ``full_optim_state_dict`` and ``optim_state_dict``), or is
     a plain optimizer's state dict over the unwrapped model with one param group (ids then follow
     the model's trainable parameters in ``named_parameters()`` order). ``full`` is not modified.
     The flat parameters are listed group by group in ``optim``'s order if it is given, else in
@@ -329,7 +331,10 @@ def get_shard_from_optim_state_dict(
     names = full.get("param_names")
     all_ids = [i for group in saved_groups for i in group["params"]]
     fairscale = names is None and "param_id_map" in full
-    if fairscale:
+    named = names is None and bool(all_ids) and all(isinstance(i, str) for i in all_ids)
+    if named:  # torch FSDP's form: keyed by parameter name
+        name_of: dict[Any, str] = {i: i for i in all_ids}
+    elif fairscale:
         if full.get("uncollected_local_ids"):
             raise NotImplementedError(
                 f"{where}: the state dict holds fairscale's uncollected (no_broadcast_optim_state) entries "
@@ -343,6 +348,8 @@ def get_shard_from_optim_state_dict(
             )
         name_of = dict(enumerate(order))
     elif names is None:
+        if any(isinstance(i, str) for i in all_ids):
+            raise ValueError(f"{where}: the param groups mix parameter names and ids; pass one form")
         trainable = [s.name for s in layout.params if s.handle.requires_grad]
         every = [s.name for s in layout.params]
         candidates = [c for c in (trainable, every) if len(c) == len(all_ids)]

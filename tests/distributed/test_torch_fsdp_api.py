@@ -320,3 +320,86 @@ def test_optimizer_state_calls_that_cannot_be_honoured_say_why(pool: RankPool) -
         assert "pass the outermost FullyShardedDataParallel" in errors[0]
         assert "`group` must hold the ranks the model trains over" in errors[1]
         assert "`optim_input` is not supported" in errors[2]
+
+
+# ---------------------------------------------------------------------- torch FSDP1's own checkpoints
+class Mid(nn.Linear):
+    """Wrapped alone: torch's flat order (the root's 0.*, 2.*, then 1.*) is not named_parameters' order."""
+
+
+def _mid_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), Mid(8, 8), nn.Linear(8, 8))
+
+
+def _wrap_mid(cls: Any) -> Any:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return cls(_mid_net(), auto_wrap_policy=ModuleWrapPolicy({Mid}), device_id=torch.device("cpu"))
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(2):
+        optim.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + dist.get_rank()))).pow(
+            2
+        ).mean().backward()
+        optim.step()
+    return optim
+
+
+def _named_state(osd: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    return {n: {k: torch.as_tensor(v).float() for k, v in entry.items()} for n, entry in osd["state"].items()}
+
+
+def _cross_load(direction: str) -> float:
+    """Optimizer state saved by one library (trained), loaded into the other (fresh), read back by name."""
+    TorchFSDP = torch_fsdp.FullyShardedDataParallel
+    src_cls, dst_cls = (TorchFSDP, FSDP) if direction == "torch_to_ours" else (FSDP, TorchFSDP)
+    src = _wrap_mid(src_cls)
+    src_optim = _adam(src)
+    full = src_cls.full_optim_state_dict(src, src_optim, rank0_only=False)
+    with src_cls.state_dict_type(src, torch_fsdp.StateDictType.FULL_STATE_DICT):
+        named = src_cls.optim_state_dict(src, src_optim)
+    worst = 0.0
+    for how in ("optim_state_dict_to_load", "shard_full_optim_state_dict"):
+        dst = _wrap_mid(dst_cls)
+        dst_optim = torch.optim.Adam(dst.parameters(), lr=1e-2)
+        with dst_cls.state_dict_type(dst, torch_fsdp.StateDictType.FULL_STATE_DICT):
+            if how == "optim_state_dict_to_load":
+                dst_optim.load_state_dict(dst_cls.optim_state_dict_to_load(dst, dst_optim, named))
+            else:
+                dst_optim.load_state_dict(dst_cls.shard_full_optim_state_dict(full, dst))
+            back = _named_state(dst_cls.optim_state_dict(dst, dst_optim))
+        expected = _named_state(named)
+        assert back.keys() == expected.keys()
+        for n in expected:
+            for k in expected[n]:
+                worst = max(worst, (back[n][k] - expected[n][k]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
+def test_optimizer_state_crosses_between_torch_fsdp1_and_this_library(pool: RankPool, direction: str) -> None:
+    assert pool.run(_cross_load, direction) == [0.0, 0.0]
+
+
+def _rank0_only_load() -> float:
+    model = _wrap_mid(FSDP)
+    optim = _adam(model)
+    configs = (fsdp.FullStateDictConfig(rank0_only=True), fsdp.FullOptimStateDictConfig(rank0_only=True))
+    with FSDP.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT, *configs):
+        saved = FSDP.optim_state_dict(model, optim)  # rank 0 only; {} elsewhere
+    fresh = _wrap_mid(FSDP)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    with FSDP.state_dict_type(fresh, fsdp.StateDictType.FULL_STATE_DICT, *configs):
+        fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, saved))
+    mine, loaded = optim.state_dict()["state"], fresh_optim.state_dict()["state"]
+    return max((mine[i][k].float() - loaded[i][k].float()).abs().max().item() for i in mine for k in mine[i])
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_rank0_only_optimizer_state_loads_on_every_rank(pool: RankPool) -> None:
+    assert pool.run(_rank0_only_load) == [0.0, 0.0]

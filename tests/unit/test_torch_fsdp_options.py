@@ -207,3 +207,84 @@ def test_state_dict_type_takes_torchs_types_and_configs(single_rank_group: None)
         ):
             FSDP.set_state_dict_type(model, sharded, *configs)
     assert FSDP.get_state_dict_type(model).state_dict_type is fsdp.StateDictType.FULL_STATE_DICT
+
+
+def test_a_policy_that_is_not_callable_leaves_the_model_unwrapped(single_rank_group: None) -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(TypeError, match="auto_wrap_policy must be callable"):
+        FSDP(net, auto_wrap_policy={nn.Linear}, mixed_precision=fsdp.MixedPrecision(param_dtype=BF16))
+    assert not any(isinstance(m, FSDP) for m in net.modules()), "the batch norm was not wrapped either"
+
+
+class _Seen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.dtypes.append(x.dtype)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "given", "seen"),
+    [(BF16, torch.float16, BF16), (BF16, torch.float64, BF16), (F32, BF16, F32), (BF16, torch.int64, None)],
+)
+def test_a_mixed_precision_root_casts_every_floating_input(
+    single_rank_group: None, param_dtype: torch.dtype, given: torch.dtype, seen: torch.dtype | None
+) -> None:
+    """torch's rule: every floating input that is not ``param_dtype`` is cast, not only fp32 ones."""
+    inner = _Seen()
+    model = FSDP(inner, mixed_precision=fsdp.MixedPrecision(param_dtype=param_dtype))
+    if seen is None:  # integers are left alone (here they reach the linear layer and fail there)
+        with pytest.raises(RuntimeError):
+            model(torch.ones(2, 4, dtype=given))
+        assert inner.dtypes == [given]
+        return
+    model(torch.randn(2, 4).to(given))
+    assert inner.dtypes == [seen]
+
+
+def test_fairscales_flag_keeps_fairscales_casts(single_rank_group: None) -> None:
+    """``mixed_precision=True``: buffers in the compute dtype, only fp32 inputs cast, and the root's
+    cast unrecorded (the fp32 leaf gets no gradient; the cast copy does)."""
+    inner = _Seen()
+    model = FSDP(inner, mixed_precision=True, compute_dtype=BF16)
+    assert inner.scale.dtype == BF16
+    x = torch.randn(2, 4, requires_grad=True)
+    model(x).float().sum().backward()
+    assert inner.dtypes == [BF16] and x.grad is None
+    with pytest.raises(RuntimeError):  # an fp16 input is not cast under fairscale's rule
+        model(torch.randn(2, 4, dtype=torch.float16))
+    assert inner.dtypes[-1] == torch.float16
+
+
+class _Router(nn.Module):
+    """A module that must run in fp32 (a gate, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 4)
+        self.dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.dtypes.append(x.dtype)
+        return torch.softmax(self.gate(x), dim=-1)
+
+
+@pytest.mark.parametrize("param_dtype", [BF16, None])
+def test_ignored_classes_run_in_fp32_between_casts(
+    single_rank_group: None, param_dtype: torch.dtype | None
+) -> None:
+    net = nn.Sequential(nn.Linear(4, 4), _Router(), nn.Linear(4, 4))
+    mp = fsdp.MixedPrecision(param_dtype=param_dtype, buffer_dtype=BF16, _module_classes_to_ignore=(_Router,))
+    model = FSDP(net, auto_wrap_policy=lambda module, recurse, **_: recurse, mixed_precision=mp)
+    router = net[1]
+    assert isinstance(router, FSDP) and not router.mixed_precision
+    out = model(torch.randn(3, 4))
+    assert router.module.dtypes == [F32], "the ignored module computes in fp32"
+    assert out.dtype == (param_dtype or F32), "and hands the next layer the dtype it was given"
+    out.float().sum().backward()
+    assert router.flat_param_0.grad.dtype == F32
