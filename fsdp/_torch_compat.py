@@ -43,8 +43,8 @@ def torch_fsdp_options(
     mixed_precision, cpu_offload, backward_prefetch, compute_device, flatten_parameters)``.
 
     ``use_orig_params=True`` is ``flatten_parameters=False``: ``parameters()`` are then one 1-D
-    shard per original parameter, under its name, which is what torch's ``use_orig_params=True``
-    shows the optimizer outside forward."""
+    shard per original parameter, as torch's ``use_orig_params=True`` shows them to the optimizer
+    outside forward (under plain names, wrapper by wrapper; see docs/api.md)."""
     if not isinstance(use_orig_params, bool):
         raise TypeError(
             f"FullyShardedDataParallel: `use_orig_params` must be a bool, got {use_orig_params!r}"
@@ -127,11 +127,15 @@ def wrap_children_with_policy(
 def _run_in_fp32(module: nn.Module) -> None:
     """Cast the floating inputs of ``module`` to fp32 and its outputs back to the inputs' dtype
     (torch FSDP's hooks on the modules mixed precision ignores)."""
-    seen: list[torch.dtype] = []  # the first floating input's dtype in the current call (no cycle)
+    seen: list[torch.dtype] = []  # the dtypes cast to fp32 in the current call (per module: no cycle)
 
     def to_fp32(_: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         seen.clear()
-        visit_tensors((args, kwargs), lambda t: seen.append(t.dtype) if t.is_floating_point() else None, [])
+        visit_tensors(
+            (args, kwargs),
+            lambda t: seen.append(t.dtype) if t.is_floating_point() and t.dtype != torch.float32 else None,
+            [],
+        )
         return cast_inputs((args, kwargs), None, torch.float32, detach=False)  # type: ignore[no-any-return]
 
     def back(_: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -176,6 +180,21 @@ def _full_named(root: Any, optim: torch.optim.Optimizer, rank0_only: bool) -> di
         g.pop("param_names", None)
     extras = {k: v for k, v in full.items() if k not in ("state", "param_groups", "param_names")}
     return {**extras, "state": {names[i]: v for i, v in full["state"].items()}, "param_groups": groups}
+
+
+def _same_state_dict(given: Mapping[str, Any], own: Mapping[str, Any]) -> bool:
+    """``given`` holds the values of the optimizer's own ``state_dict()`` (torch's docs pass that)."""
+    try:
+        if given.keys() != own.keys() or given["param_groups"] != own["param_groups"]:
+            return False
+        a, b = given["state"], own["state"]
+        return a.keys() == b.keys() and all(
+            a[i].keys() == b[i].keys()
+            and all(torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])) for k in b[i])
+            for i in b
+        )
+    except (RuntimeError, TypeError, KeyError):  # (tensor-valued hyperparameters compare ambiguously)
+        return False
 
 
 def _optim_rank0_only(root: Any) -> bool:
@@ -267,9 +286,7 @@ class TorchFSDPMethods:
         ``FullOptimStateDictConfig(rank0_only=True)``: the others get ``{}``); under
         ``SHARDED_STATE_DICT`` row-sharded DTensors. Collective."""
         root = _root(model, "optim_state_dict", group)
-        if optim_state_dict is not None and set(optim_state_dict.get("state", {})) != set(
-            optim.state_dict()["state"]
-        ):
+        if optim_state_dict is not None and not _same_state_dict(optim_state_dict, optim.state_dict()):
             raise NotImplementedError(
                 "FullyShardedDataParallel.optim_state_dict: an `optim_state_dict` other than optim.state_dict() is not "
                 "supported; leave it unset (the optimizer's own state is read)"

@@ -300,6 +300,26 @@ def _fairscale_order(layout: Layout) -> list[str]:
     return order
 
 
+def _canonical_names(
+    layout: Layout, groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], where: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A name-keyed optimizer state dict with every alias of a tied parameter replaced by its first
+    name. State under a name that no param group lists is refused (it would be dropped)."""
+    primary = {n: s.name for s in layout.params for n in (s.name, *s.aliases)}
+    renamed = [{**g, "params": [primary.get(n, n) for n in g["params"]]} for g in groups]
+    listed = {n for g in renamed for n in g["params"]}
+    canonical: dict[str, Any] = {}
+    for key, value in state.items():
+        name = primary.get(key, key) if isinstance(key, str) else key
+        if name not in listed:
+            raise ValueError(
+                f"{where}: the state holds an entry for {key!r}, which no param group lists; the saved dict does not "
+                "fit this model (or was edited): save it again from the model"
+            )
+        canonical[name] = value
+    return renamed, canonical
+
+
 def _one_rank_singletons(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
     """fairscale keeps 0-dim state as a list with one tensor per saving rank; take this rank's (or the first)."""
     out = dict(entry)
@@ -332,7 +352,9 @@ def get_shard_from_optim_state_dict(
     all_ids = [i for group in saved_groups for i in group["params"]]
     fairscale = names is None and "param_id_map" in full
     named = names is None and bool(all_ids) and all(isinstance(i, str) for i in all_ids)
-    if named:  # torch FSDP's form: keyed by parameter name
+    if named:  # torch FSDP's form: keyed by parameter name (a tied parameter under any of its names)
+        saved_groups, saved_state = _canonical_names(layout, saved_groups, saved_state, where)
+        all_ids = [i for group in saved_groups for i in group["params"]]
         name_of: dict[Any, str] = {i: i for i in all_ids}
     elif fairscale:
         if full.get("uncollected_local_ids"):

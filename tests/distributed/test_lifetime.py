@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp.wrap
 from torch import nn
 
 import fsdp
@@ -57,6 +58,13 @@ BUILDS: dict[str, Callable[[], nn.Module]] = {
     "checkpoint_inside": _fsdp(lambda m: FSDP(fsdp.checkpoint_wrapper(m))),
     "checkpoint_outside_offloaded": _fsdp(lambda m: fsdp.checkpoint_wrapper(FSDP(m), offload_to_cpu=True)),
     "auto_wrap": _auto_wrapped,
+    # torch's form: the batch norm gets a full-precision wrapper and fp32 hooks
+    "torch_style_mixed_precision": lambda: FSDP(
+        _net(),
+        auto_wrap_policy=torch.distributed.fsdp.wrap.ModuleWrapPolicy({nn.Linear}),
+        mixed_precision=fsdp.MixedPrecision(param_dtype=torch.bfloat16),
+        use_orig_params=True,
+    ),
     "ddp": lambda: fsdp.DistributedDataParallel(_net()),
     "offload_model": lambda: fsdp.OffloadModel(
         _net(), device=torch.device("cpu"), num_slices=2, checkpoint_activation=True, num_microbatches=2

@@ -288,3 +288,85 @@ def test_ignored_classes_run_in_fp32_between_casts(
     assert out.dtype == (param_dtype or F32), "and hands the next layer the dtype it was given"
     out.float().sum().backward()
     assert router.flat_param_0.grad.dtype == F32
+
+
+def test_the_mixins_stubs_never_shadow_the_wrappers_methods() -> None:
+    """The mixins declare what they need from the wrapper as stubs that raise; the wrapper's bases
+    must be ordered so that every such name resolves to real code."""
+    import ast
+    import inspect
+
+    def is_stub(fn: Any) -> bool:
+        fn = fn.fget if isinstance(fn, property) else fn
+        if not callable(fn):
+            return False
+        try:
+            tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)))
+        except (OSError, TypeError):
+            return False
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        return (
+            len(body) == 1
+            and isinstance(body[0], ast.Raise)
+            and "NotImplementedError" in ast.unparse(body[0])
+        )
+
+    stubs = [
+        (cls.__name__, name)
+        for cls in FSDP.__mro__[1:]
+        if cls.__module__.startswith("fsdp.")
+        for name, value in vars(cls).items()
+        if is_stub(value)
+    ]
+    assert len(stubs) >= 10, "the mixins' stubs are found"
+    for owner, name in stubs:
+        resolved = inspect.getattr_static(FSDP, name)
+        assert not is_stub(resolved), f"{owner}.{name} shadows the wrapper's {name}"
+
+
+class _Gate(nn.Module):
+    def forward(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x * mask
+
+
+def test_an_ignored_module_hands_back_the_dtype_it_cast(single_rank_group: None) -> None:
+    """Outputs go back to the dtype of the inputs that were cast, not of an fp32 input beside them."""
+    net = nn.Sequential(nn.Linear(4, 4))
+    net.gate = _Gate()
+    mp = fsdp.MixedPrecision(param_dtype=BF16, _module_classes_to_ignore=(_Gate,))
+    FSDP(net, auto_wrap_policy=lambda module, recurse, **_: recurse, mixed_precision=mp)
+    out = net.gate(torch.ones(2, 4), torch.ones(2, 4, dtype=BF16))
+    assert out.dtype == BF16
+    assert net.gate(torch.ones(2, 4), torch.ones(2, 4)).dtype == F32, "nothing cast: nothing cast back"
+
+
+def _tied_adam() -> tuple[FSDP, torch.optim.Optimizer, dict[str, Any]]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    net[1].weight = net[0].weight  # tied: "0.weight" first, "1.weight" its alias
+    model = FSDP(net)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    optim.step()
+    return model, optim, FSDP.full_optim_state_dict(model, optim)
+
+
+def test_name_keyed_optimizer_state_reads_aliases_and_refuses_stray_entries(single_rank_group: None) -> None:
+    model, optim, full = _tied_adam()
+    assert full["param_groups"][0]["params"] == ["0.weight"]
+    aliased = {**full, "state": {"1.weight": full["state"]["0.weight"]}}  # the state under the alias
+    loaded = FSDP.shard_full_optim_state_dict(aliased, model)
+    assert torch.equal(loaded["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+    stray = {**full, "state": {**full["state"], "2.weight": full["state"]["0.weight"]}}
+    with pytest.raises(ValueError, match=r"an entry for '2\.weight', which no param group lists"):
+        FSDP.shard_full_optim_state_dict(stray, model)
+
+
+def test_optim_state_dict_takes_the_optimizers_own_state_dict_only(single_rank_group: None) -> None:
+    model, optim, full = _tied_adam()
+    named = FSDP.optim_state_dict(model, optim, optim.state_dict())
+    assert torch.equal(named["state"]["0.weight"]["exp_avg"], full["state"]["0.weight"]["exp_avg"])
+    changed = optim.state_dict()
+    changed["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(NotImplementedError, match=r"other than optim\.state_dict"):
+        FSDP.optim_state_dict(model, optim, changed)
