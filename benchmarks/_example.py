@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,3 +39,20 @@ def wrap_blocks(model: torch.nn.Module, **fsdp_kwargs: Any) -> torch.nn.Module:
     for i, block in enumerate(model.blocks):  # type: ignore[arg-type]
         model.blocks[i] = FSDP(block, **fsdp_kwargs)  # type: ignore[index, operator]
     return FSDP(model, **fsdp_kwargs)
+
+
+def timed_step(
+    call: Callable[[torch.Tensor, torch.Tensor], Any],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optim: torch.optim.Optimizer,
+) -> float:
+    """One training step of a model returning ``(logits, loss)``, between barriers: its seconds."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    _, loss = call(x, y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    dist.barrier()
+    return time.perf_counter() - t0

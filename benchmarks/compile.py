@@ -26,7 +26,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import add_gpt_args, load_example, wrap_blocks  # noqa: E402
+from _example import add_gpt_args, load_example, timed_step, wrap_blocks  # noqa: E402
 
 
 def main() -> None:
@@ -70,15 +70,9 @@ def main() -> None:
         x = torch.randint(0, vocab, (args.batch_size, args.block_size), generator=gen)
         y = torch.randint(0, vocab, (args.batch_size, args.block_size), generator=gen)
         for name, (_, call) in variants.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            _, loss = call(x, y)
-            loss.backward()
-            optims[name].step()
-            optims[name].zero_grad(set_to_none=True)
-            dist.barrier()
+            seconds = timed_step(call, x, y, optims[name])
             if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
     diff = max(
         (a - b).abs().max().item() for a, b in zip(ours_eager.parameters(), ours_compiled.parameters())
     )

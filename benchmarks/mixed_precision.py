@@ -26,7 +26,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import add_gpt_args, load_example, wrap_blocks  # noqa: E402
+from _example import add_gpt_args, load_example, timed_step, wrap_blocks  # noqa: E402
 
 
 def main() -> None:
@@ -56,15 +56,9 @@ def main() -> None:
         y = torch.randint(0, vocab, (args.batch_size, args.block_size), generator=gen)
         for name, model in variants.items():
             model.reset_comm_stats()
-            dist.barrier()
-            t0 = time.perf_counter()
-            _, loss = model(x, y)
-            loss.backward()
-            optims[name].step()
-            optims[name].zero_grad(set_to_none=True)
-            dist.barrier()
+            seconds = timed_step(model, x, y, optims[name])
             if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
             comm[name] = model.comm_stats()
     ratios = [b / f for f, b in zip(times["fp32"], times["bf16"])]
     result = {
