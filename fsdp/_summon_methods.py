@@ -62,9 +62,14 @@ class SummonMethods:
         Collective: every rank must enter. Inside the context ``named_parameters()`` yields the
         original parameters (under the plain module's names), full size. On exit, in-place changes to them
         are written back to the shards unless ``volatile=True`` (torch's ``writeback=False``).
-        torch FSDP's ``FSDP.summon_full_params(model, ...)`` works too, with ``model`` the wrapper;
-        its ``rank0_only`` and ``with_grads`` are refused, and ``offload_to_cpu`` where compute runs
-        on a GPU.
+        torch FSDP's ``FSDP.summon_full_params(model, ...)`` works too, with ``model`` the wrapper.
+
+        ``with_grads``: each shown parameter's ``.grad`` is its full gradient (the reduced one the
+        optimizer steps on; ``None`` where no rank has one); changes to it are written back like
+        the parameters. ``rank0_only``: only rank 0 of the data-parallel group shows the full
+        parameters; the others take part in the gathers and keep their shards (needs
+        ``writeback=False``, as in torch). ``offload_to_cpu`` is accepted where compute runs on the
+        CPU (where it changes nothing) and refused on a GPU.
         """
         if not isinstance(self, SummonMethods):
             raise TypeError(
@@ -77,16 +82,21 @@ class SummonMethods:
                     "FullyShardedDataParallel.summon_full_params: volatile=True contradicts writeback=True"
                 )
             volatile = not writeback
-        if rank0_only or with_grads or (offload_to_cpu and self.compute_device.type != "cpu"):
+        if rank0_only and not volatile:
             raise NotImplementedError(
-                "FullyShardedDataParallel.summon_full_params: rank0_only, with_grads and offload_to_cpu (on a GPU) are "
-                "not supported; for the values on rank 0 or on the CPU use state_dict() under "
-                "FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, "
-                "rank0_only=True))"
+                "FullyShardedDataParallel.summon_full_params: rank0_only=True writes nothing back (the other "
+                "ranks see no full parameters to change); pass writeback=False (or volatile=True) with it"
+            )
+        if offload_to_cpu and self.compute_device.type != "cpu":
+            raise NotImplementedError(
+                "FullyShardedDataParallel.summon_full_params: offload_to_cpu=True is not supported on a GPU; for "
+                "the values on rank 0's CPU use state_dict() under FSDP.state_dict_type(model, "
+                "StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True))"
             )
         wrappers = self._wrappers() if recurse else [self]
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
+        show = not rank0_only or self.fsdp_config.comm.dp_rank == 0
         entered: list[SummonMethods] = []
         # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.
         snapshots = [
@@ -96,7 +106,7 @@ class SummonMethods:
             for w in wrappers:
                 w.training_state = TrainingState.SUMMON_FULL_PARAMS
                 entered.append(w)
-                w._show_full_params()
+                w._show_full_params(show, with_grads)
             yield
         finally:
             for w in reversed(entered):
@@ -121,10 +131,20 @@ class SummonMethods:
             finally:
                 self._hide_full_params(write_back=False)
 
-    def _show_full_params(self) -> None:
+    def _show_full_params(self, show: bool = True, with_grads: bool = False) -> None:
         for h in self.handles:
             h.unshard(full_precision=True)
+            if with_grads:
+                h.gather_grad()
+            if not show:  # (rank0_only on another rank) it took part in the gathers: back to the shard
+                h.release_grad(write_back=False)
+                h.reshard(free_full=True)
+                continue
             h.use_full_views(as_parameters=True)
+            if with_grads:
+                h.show_grad()
+        if not show:
+            return
         for m, order in self._module_param_order.items():  # registration order as before wrapping
             params = dict(m._parameters)
             m._parameters.clear()
@@ -135,6 +155,7 @@ class SummonMethods:
 
     def _hide_full_params(self, write_back: bool) -> None:
         for i, h in enumerate(self.handles):
+            h.release_grad(write_back)
             if write_back and h.state is MemoryState.UNSHARDED:
                 h.write_back_()
             h.reshard(free_full=True)

@@ -178,6 +178,7 @@ class FlatParamHandle:
     _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     _placeholders_set: bool  # the modules' attributes are the stand-ins now
+    _full_grad: tuple[torch.Tensor | None, torch.Tensor | None] | None  # summon(with_grads): (full, shard)
     reduced_this_backward: bool
 
     def __init__(
@@ -243,6 +244,7 @@ class FlatParamHandle:
         self._grad_acc = None
         self._bucketed = False
         self.reduced_this_backward = False
+        self._full_grad = None
         self._placeholders = [
             make_placeholder(info.fqn, info.shape, self.meta.dtype, self.meta.requires_grad)
             for info in self.meta.params
@@ -482,6 +484,75 @@ class FlatParamHandle:
             set_module_tensor(module, info.param_name, placeholder, as_parameter=False)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
             set_module_tensor(module, sinfo.param_name, self._placeholders[sinfo.primary], as_parameter=False)
+
+    # ------------------------------------------------------------------ summon with gradients
+    def gather_grad(self) -> None:
+        """All-gather the shard gradients into a full flat gradient (master dtype, compute device).
+        Collective: a flag first, so that no gradient anywhere shows none, a rank without one adds
+        zeros. ``show_grad`` then hangs its views on the shown parameters; ``release_grad`` ends it."""
+        assert self._full_grad is None, "gradients gathered twice"
+        shard_grad = self.flat_param.grad if self.requires_grad else None
+        if not self.requires_grad:
+            self._full_grad = (None, None)
+            return
+        present = torch.tensor([int(shard_grad is not None)], device=self.compute_device)
+        all_reduce(present, self.comm.process_group, dist.ReduceOp.MAX, self.stats).wait()
+        if not present.item():
+            self._full_grad = (None, None)
+            return
+        source = self._shard.new_zeros(self._shard.shape) if shard_grad is None else shard_grad
+        full = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
+        self.memory.add(full.untyped_storage().size())
+        all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
+        self._full_grad = (full, shard_grad)
+
+    def show_grad(self) -> None:
+        """Set each shown original parameter's ``.grad`` to its view of the gathered gradient."""
+        assert self._full_grad is not None and self.state is MemoryState.UNSHARDED
+        full = self._full_grad[0]
+        if full is None:
+            return
+        for info, module, view in zip(self.meta.params, self.modules, unflatten_views(full, self.meta)):
+            getattr(module, info.param_name).grad = view
+
+    def release_grad(self, write_back: bool) -> None:
+        """Drop the full gradient; with ``write_back``, this rank's chunk of the gradients the
+        parameters show now (changed in place, replaced or set to None) becomes the shard gradient."""
+        if self._full_grad is None:
+            return
+        full, shard_grad = self._full_grad
+        self._full_grad = None
+        if write_back and self.state is MemoryState.UNSHARDED:
+            shown = [getattr(m, info.param_name).grad for info, m in zip(self.meta.params, self.modules)]
+            views = [] if full is None else unflatten_views(full, self.meta)
+            if all(g is None for g in shown):
+                self.flat_param.grad = None
+            elif full is None or any(g is not v for g, v in zip(shown, views)):
+                now = torch.zeros(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
+                for g, view in zip(shown, unflatten_views(now, self.meta)):
+                    if g is not None:
+                        view.copy_(g)
+                self._write_grad_chunk(now, shard_grad)
+            else:
+                self._write_grad_chunk(full, shard_grad)
+        if full is not None:
+            self.memory.add(-full.untyped_storage().size())
+
+    def _write_grad_chunk(self, full: torch.Tensor, shard_grad: torch.Tensor | None) -> None:
+        chunk = full[self.spec.start : self.spec.end].to(self.shard_device)
+        if shard_grad is None and not chunk.any():  # (the zeros this rank contributed): still none
+            return
+        if shard_grad is not None and _same_bits(chunk, shard_grad):
+            grad = shard_grad
+        elif shard_grad is not None:
+            with torch.no_grad():
+                grad = shard_grad.copy_(chunk)
+        else:
+            grad = chunk.clone()
+        # a shard-shaped gradient is assigned to a shard-shaped parameter (it is full-shaped now)
+        data, self.flat_param.data = self.flat_param.data, self._shard
+        self.flat_param.grad = grad
+        self.flat_param.data = data
 
     # ------------------------------------------------------------------ gradients
     def prepare_gradient_for_backward(self) -> None:

@@ -403,3 +403,66 @@ def _rank0_only_load() -> float:
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_a_rank0_only_optimizer_state_loads_on_every_rank(pool: RankPool) -> None:
     assert pool.run(_rank0_only_load) == [0.0, 0.0]
+
+
+# ---------------------------------------------------------------------- summon_full_params, torch's keywords
+def _summon_with_grads(use_orig_params: bool) -> dict[str, Any]:
+    """Full gradients of a nested model, as the plain model has them after the same (whole) batch."""
+    torch.manual_seed(0)
+    ref = Net()
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, use_orig_params=use_orig_params)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = _vec(torch.Generator().manual_seed(3), 4 * world)
+    _loss(model(batch[4 * rank : 4 * rank + 4])).backward()
+    _loss(ref(batch)).backward()
+    with FSDP.summon_full_params(model, with_grads=True):
+        shown = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.module.out.bias.grad.fill_(float(rank + 1))  # each rank writes back its own chunk
+    diff = max((shown[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+        written = model.module.out.bias.grad.clone()
+    return {"names": sorted(shown), "diff": diff, "written": written.tolist()}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_summon_with_grads_shows_the_plain_models_gradients(pool: RankPool, use_orig_params: bool) -> None:
+    results = pool.run(_summon_with_grads, use_orig_params)
+    for r in results:
+        assert r["names"] == sorted(n for n, _ in Net().named_parameters())
+        assert r["diff"] < 1e-6
+    assert results[0]["written"] == results[1]["written"]
+    values = set(results[0]["written"])
+    if use_orig_params:  # the 3-element bias is a flat parameter of its own, padded to 2 x 2
+        assert results[0]["written"] == [1.0, 1.0, 2.0]
+    else:
+        assert values <= {1.0, 2.0}, "every element comes from the rank that holds it"
+
+
+def _summon_rank0_only() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = Net()
+    model = FSDP(copy.deepcopy(ref))
+    _loss(model(_vec(torch.Generator().manual_seed(dist.get_rank()), 4))).backward()
+    model.reset_comm_stats()
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False, with_grads=True):
+        names = sorted(n for n, _ in model.named_parameters())
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = [p.grad is not None for _, p in model.named_parameters()]
+    gathered = model.comm_stats()["all_gather"]["calls"]
+    diff = (
+        max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+        if full.keys() == dict(ref.named_parameters()).keys()
+        else None
+    )
+    return {"names": names, "diff": diff, "grads": all(grads), "gathers": gathered}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_summon_rank0_only_shows_full_parameters_on_rank_0_alone(pool: RankPool) -> None:
+    first, second = pool.run(_summon_rank0_only)
+    assert first["names"] == sorted(n for n, _ in Net().named_parameters())
+    assert first["diff"] == 0.0 and first["grads"]
+    assert second["names"] == ["flat_param_0"], "the other ranks keep their shards"
+    assert first["gathers"] == second["gathers"] == 2, "every rank takes part in the gathers"

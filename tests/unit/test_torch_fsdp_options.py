@@ -3,6 +3,7 @@ torch's do, the constructor takes torch's arguments, and summon_full_params torc
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -173,16 +174,51 @@ def test_summon_takes_torchs_arguments(single_rank_group: None) -> None:
     with FSDP.summon_full_params(model, writeback=True, offload_to_cpu=True):  # (the CPU already)
         model.module.weight.data.add_(1)
     assert torch.equal(model.state_dict()["weight"], before + 1)
-    for kwargs in ({"rank0_only": True}, {"with_grads": True}):
-        with pytest.raises(NotImplementedError, match="rank0_only, with_grads"):
-            with model.summon_full_params(**kwargs):
-                pass
+    with pytest.raises(NotImplementedError, match="pass writeback=False"):
+        with model.summon_full_params(rank0_only=True):  # (torch refuses it too)
+            pass
     with pytest.raises(ValueError, match="contradicts"):
         with model.summon_full_params(volatile=True, writeback=True):
             pass
     with pytest.raises(TypeError, match="pass a FullyShardedDataParallel"):
         with FSDP.summon_full_params(nn.Sequential(model)):  # type: ignore[arg-type]
             pass
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_summon_with_grads_shows_and_writes_back_full_gradients(single_rank_group: None, mixed: bool) -> None:
+    """At world size 1 the shard is the whole flat parameter, and (without casting) the same tensor: a
+    volatile summon must not change it, a writing one must."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model = FSDP(copy.deepcopy(ref), mixed_precision=mixed)
+    x = torch.randn(5, 3)
+    ref(x).sum().backward()
+    model(x).sum().backward()
+    with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.module[0].weight.grad.zero_()
+    tol = 1e-2 if mixed else 0.0
+    assert grads.keys() == dict(ref.named_parameters()).keys()
+    for n, p in ref.named_parameters():
+        assert (grads[n] - p.grad).abs().max() <= tol, n
+    with FSDP.summon_full_params(model, with_grads=True):
+        assert model.module[0].weight.grad.abs().sum() > 0, "the volatile change was discarded"
+        model.module[0].weight.grad.mul_(2)  # in place
+        model.module[1].bias.grad = torch.full((2,), 7.0)  # replaced
+    with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+        assert torch.allclose(model.module[0].weight.grad, 2 * grads["0.weight"])
+        assert torch.equal(model.module[1].bias.grad, torch.full((2,), 7.0))
+        assert torch.equal(model.module[0].bias.grad, grads["0.bias"]), "the rest unchanged"
+    model.zero_grad(set_to_none=True)
+    with FSDP.summon_full_params(model, with_grads=True):
+        assert all(p.grad is None for p in model.parameters()), "no gradient shows none"
+        model.module[1].bias.grad = torch.ones(2)
+    assert model.flat_param_0.grad is not None, "a gradient set inside is kept"
+    with FSDP.summon_full_params(model, with_grads=True):
+        for p in model.parameters():
+            p.grad = None
+    assert model.flat_param_0.grad is None, "gradients cleared inside are cleared"
 
 
 def test_state_dict_type_takes_torchs_types_and_configs(single_rank_group: None) -> None:
