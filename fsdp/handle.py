@@ -495,15 +495,20 @@ class FlatParamHandle:
         if not self.requires_grad:
             self._full_grad = (None, None)
             return
+        whole = self.spec.world_size == 1  # (NO_SHARD's group is every rank: its shard is the whole)
         present = torch.tensor([int(shard_grad is not None)], device=self.compute_device)
-        all_reduce(present, self.comm.process_group, dist.ReduceOp.MAX, self.stats).wait()
+        if not whole:
+            all_reduce(present, self.comm.process_group, dist.ReduceOp.MAX, self.stats).wait()
         if not present.item():
             self._full_grad = (None, None)
             return
         source = self._shard.new_zeros(self._shard.shape) if shard_grad is None else shard_grad
         full = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
         self.memory.add(full.untyped_storage().size())
-        all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
+        if whole:
+            full.copy_(source)
+        else:
+            all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
         self._full_grad = (full, shard_grad)
 
     def show_grad(self) -> None:

@@ -406,12 +406,17 @@ def test_a_rank0_only_optimizer_state_loads_on_every_rank(pool: RankPool) -> Non
 
 
 # ---------------------------------------------------------------------- summon_full_params, torch's keywords
-def _summon_with_grads(use_orig_params: bool) -> dict[str, Any]:
+def _summon_with_grads(use_orig_params: bool, strategy: str) -> dict[str, Any]:
     """Full gradients of a nested model, as the plain model has them after the same (whole) batch."""
     torch.manual_seed(0)
     ref = Net()
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=policy, use_orig_params=use_orig_params)
+    model = FSDP(
+        copy.deepcopy(ref),
+        auto_wrap_policy=policy,
+        use_orig_params=use_orig_params,
+        sharding_strategy=fsdp.ShardingStrategy[strategy],
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = _vec(torch.Generator().manual_seed(3), 4 * world)
     _loss(model(batch[4 * rank : 4 * rank + 4])).backward()
@@ -426,14 +431,21 @@ def _summon_with_grads(use_orig_params: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_summon_with_grads_shows_the_plain_models_gradients(pool: RankPool, use_orig_params: bool) -> None:
-    results = pool.run(_summon_with_grads, use_orig_params)
+@pytest.mark.parametrize(
+    "use_orig_params, strategy", [(False, "FULL_SHARD"), (True, "FULL_SHARD"), (False, "NO_SHARD")]
+)
+def test_summon_with_grads_shows_the_plain_models_gradients(
+    pool: RankPool, use_orig_params: bool, strategy: str
+) -> None:
+    results = pool.run(_summon_with_grads, use_orig_params, strategy)
     for r in results:
         assert r["names"] == sorted(n for n, _ in Net().named_parameters())
         assert r["diff"] < 1e-6
-    assert results[0]["written"] == results[1]["written"]
     values = set(results[0]["written"])
+    if strategy == "NO_SHARD":  # every rank holds (and writes) the whole gradient
+        assert [r["written"] for r in results] == [[1.0] * 3, [2.0] * 3]
+        return
+    assert results[0]["written"] == results[1]["written"]
     if use_orig_params:  # the 3-element bias is a flat parameter of its own, padded to 2 x 2
         assert results[0]["written"] == [1.0, 1.0, 2.0]
     else:
