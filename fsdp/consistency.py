@@ -17,21 +17,41 @@ from torch import nn
 from fsdp.collectives import all_gather_ints, all_reduce, digest_of_text
 
 __all__ = [
+    "CHECKPOINT_WRAPPED",
     "WRAPPED",
     "check_hybrid_grids",
     "check_same_reductions_on_all_ranks",
     "check_same_wrappers_on_all_ranks",
     "fingerprint",
+    "is_activation_wrapper",
     "plain_name",
+    "state_name",
     "wrapper_path",
 ]
 
 WRAPPED = "_fsdp_wrapped_module"  # the attribute under which a wrapper holds its module
+# the attribute under which torch's activation checkpoint / offload wrappers hold their module
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 
 
 def plain_name(name: str) -> str:
     """A name inside the wrapper tree as it is in the unwrapped module."""
     return name.replace(WRAPPED + ".", "").replace("." + WRAPPED, "").replace(WRAPPED, "")
+
+
+def state_name(name: str) -> str:
+    """A name as the unwrapped model's ``state_dict()`` keys have it: without this library's wrappers,
+    nor torch's activation checkpoint wrappers (whose state-dict hooks drop their level, as torch
+    FSDP's names do)."""
+    return ".".join(part for part in plain_name(name).split(".") if part != CHECKPOINT_WRAPPED)
+
+
+def is_activation_wrapper(module: nn.Module) -> bool:
+    """torch's ``CheckpointWrapper`` / ``OffloadWrapper`` (``apply_activation_checkpointing``): a level
+    that its own state-dict hooks hide from the keys."""
+    return CHECKPOINT_WRAPPED in module._modules and any(
+        c.__name__ == "ActivationWrapper" for c in type(module).__mro__
+    )
 
 
 def wrapper_path(root: nn.Module, wrapper: Any) -> str:

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.api import TrainingState
-from fsdp.consistency import plain_name
+from fsdp.consistency import CHECKPOINT_WRAPPED, state_name
 
 # The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
 # __all__), since fully_sharded.py reaches UnitSpec and describe through this module.
@@ -450,7 +450,12 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
 def _load_renamed(
     root: Any, state_dict: Mapping[str, Any], strict: bool, errors_out: list[str] | None, prefix: str
 ) -> NamedTuple:
-    to_internal = {plain_name(name): name for name, _ in root.named_modules(remove_duplicate=False)}
+    # (keys inside torch's activation checkpoint wrappers go in without their level: the wrappers'
+    # load pre-hooks put it back)
+    to_internal = {
+        state_name(name): ".".join(part for part in name.split(".") if part != CHECKPOINT_WRAPPED)
+        for name, _ in root.named_modules(remove_duplicate=False)
+    }
 
     def internal(key: str) -> str:
         module_name, _, leaf = key.rpartition(".")
@@ -472,12 +477,12 @@ def _load_renamed(
         text = str(e)
         if "Error(s) in loading state_dict" not in text:
             raise
-        errors = [plain_name(line) for line in text.split("\n\t")[1:]]
+        errors = [state_name(line) for line in text.split("\n\t")[1:]]
         result = keys[-1] if keys else _IncompatibleKeys([], [])
     finally:
         capture.remove()
-    missing = [plain_name(k) for k in result.missing_keys]
-    unexpected = [plain_name(k) for k in result.unexpected_keys]
+    missing = [state_name(k) for k in result.missing_keys]
+    unexpected = [state_name(k) for k in result.unexpected_keys]
     if strict:
         hint = _prefix_hint(missing, unexpected)
         if hint:

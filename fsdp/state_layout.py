@@ -29,6 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp._device import SideCopies
 from fsdp.collectives import all_gather, all_gather_ints, digest_of_text
+from fsdp.consistency import CHECKPOINT_WRAPPED, is_activation_wrapper
 from fsdp.flat_param import ParamInfo
 from fsdp.handle import FlatParamHandle
 from fsdp.sharding import intersect
@@ -181,6 +182,9 @@ def describe(
                 Unit(prefix[:-1], tuple(wrapper_spec.handles), wrapper_spec.no_broadcast_optim_state)
             )
             stack.append((wrapper_spec.wrapped, prefix, wrapper_spec, ""))
+            continue
+        if is_activation_wrapper(m) and not m._parameters and not m._buffers:  # (its hooks hide its level)
+            stack.append((m._modules[CHECKPOINT_WRAPPED], prefix, owner, rel + CHECKPOINT_WRAPPED + "."))  # type: ignore[arg-type]
             continue
         own = owner.param_order.get(m) if owner is not None else None
         for pname in own if own is not None else [n for n, p in m._parameters.items() if p is not None]:

@@ -34,12 +34,18 @@ def shard_of(full_flat: torch.Tensor, handle: Any) -> torch.Tensor:
     return padded[handle.spec.start : handle.spec.end].to(handle.flat_param.device)
 
 
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def reference_flat(ref: nn.Module, names: list[str], what: str) -> torch.Tensor | None:
     """Concatenate the reference's parameters (or grads; a missing grad counts as zeros) in layout order.
 
     Returns None for gradients when none of the parameters has one.
     """
-    params = dict(ref.named_parameters(remove_duplicate=False))
+    # (names compared without torch's activation checkpoint wrappers, which one side may have)
+    params = {_clean(n): p for n, p in ref.named_parameters(remove_duplicate=False)}
+    names = [_clean(n) for n in names]
     tensors = [params[n] if what == "param" else params[n].grad for n in names]
     if all(t is None for t in tensors):
         return None

@@ -478,3 +478,102 @@ def test_summon_rank0_only_shows_full_parameters_on_rank_0_alone(pool: RankPool)
     assert first["diff"] == 0.0 and first["grads"]
     assert second["names"] == ["flat_param_0"], "the other ranks keep their shards"
     assert first["gathers"] == second["gathers"] == 2, "every rank takes part in the gathers"
+
+
+# ---------------------------------------------------------------------- torch's activation checkpointing
+class _CountingBlock(Block):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def _with_torch_checkpointing(cls: Any, ref: nn.Module, impl: str, order: str) -> Any:
+    """torch FSDP1's recipe: ``apply_activation_checkpointing`` on the blocks, after wrapping (the
+    checkpoint wrapper then sits inside each block's wrapper) or before it."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ac
+
+    def apply(m: nn.Module) -> None:
+        ac.apply_activation_checkpointing(
+            m,
+            checkpoint_wrapper_fn=functools.partial(
+                ac.checkpoint_wrapper, checkpoint_impl=ac.CheckpointImpl[impl]
+            ),
+            check_fn=lambda s: isinstance(s, _CountingBlock),
+        )
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={_CountingBlock})
+    model = copy.deepcopy(ref)
+    if order == "before":
+        apply(model)
+    model = cls(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    if order == "after":
+        apply(model)
+    return model
+
+
+def _counting_net() -> nn.Module:
+    torch.manual_seed(0)
+    ref = Net()
+    for i in range(2):
+        ref.blocks[i].__class__ = _CountingBlock
+    return ref
+
+
+def _torch_activation_checkpointing(impl: str, order: str) -> dict[str, Any]:
+    ref = _counting_net()
+    model = _with_torch_checkpointing(FSDP, ref, impl, order)
+    _CountingBlock.calls = 0
+    diffs = compare_training(ref, model, _vec, _loss, steps=2)
+    recomputed = _CountingBlock.calls - 2 * 2  # (the reference: 2 steps x 2 blocks, no recomputation)
+    kinds = [type(m).__name__ for m in model.modules()]
+    keys: dict[str, list[str]] = {}
+    loaded: dict[str, float] = {}
+    fresh = _with_torch_checkpointing(FSDP, Net(), impl, order)
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        with FSDP.state_dict_type(model, torch_fsdp.StateDictType[kind]):
+            state = model.state_dict()
+        keys[kind] = list(state)
+        with FSDP.state_dict_type(fresh, torch_fsdp.StateDictType[kind]):
+            fresh.load_state_dict(state)
+        with FSDP.summon_full_params(model), FSDP.summon_full_params(fresh):
+            loaded[kind] = max(
+                (a - b).abs().max().item() for a, b in zip(model.parameters(), fresh.parameters())
+            )
+    optim = torch.optim.Adam(model.parameters())
+    _loss(model(_vec(torch.Generator(), 4))).backward()
+    optim.step()
+    keys["optim"] = list(FSDP.optim_state_dict(model, optim)["state"])
+    # torch FSDP1 with the same recipe names its state dicts so, too
+    theirs = _with_torch_checkpointing(torch_fsdp.FullyShardedDataParallel, _counting_net(), impl, order)
+    torch_keys = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        with torch_fsdp.FullyShardedDataParallel.state_dict_type(theirs, torch_fsdp.StateDictType[kind]):
+            torch_keys[kind] = list(theirs.state_dict())
+    return {
+        "diffs": diffs,
+        "recomputed": recomputed,
+        "kinds": (kinds.count("CheckpointWrapper"), kinds.count("FullyShardedDataParallel")),
+        "keys": keys,
+        "torch_keys": torch_keys,
+        "loaded": loaded,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize(
+    "impl, order", [("NO_REENTRANT", "after"), ("REENTRANT", "after"), ("NO_REENTRANT", "before")]
+)
+def test_torchs_apply_activation_checkpointing_recomputes_and_keeps_plain_names(
+    pool: RankPool, impl: str, order: str
+) -> None:
+    plain = list(Net().state_dict())
+    for r in pool.run(_torch_activation_checkpointing, impl, order):
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
+        assert r["recomputed"] == 2 * 2 * 2, "each block runs forward twice per step: once more in backward"
+        assert r["kinds"] == (2, 3)
+        assert r["keys"]["FULL_STATE_DICT"] == plain == r["torch_keys"]["FULL_STATE_DICT"]
+        assert r["keys"]["SHARDED_STATE_DICT"] == r["torch_keys"]["SHARDED_STATE_DICT"]
+        assert sorted(r["keys"]["optim"]) == sorted(n for n, _ in Net().named_parameters())
+        assert r["loaded"] == {"FULL_STATE_DICT": 0.0, "SHARDED_STATE_DICT": 0.0}
