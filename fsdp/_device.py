@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceHandle", "SideCopies", "default_compute_device", "device_available", "is_accelerator"]
+__all__ = [
+    "DeviceHandle",
+    "SideCopies",
+    "default_compute_device",
+    "device_available",
+    "is_accelerator",
+    "with_index",
+]
 
 
 class _NullStream:
@@ -220,6 +227,13 @@ def default_compute_device(
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def with_index(device: torch.device) -> torch.device:
+    """``cuda`` as the current CUDA device (``cuda:N``), the name tensors on it report; else ``device``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_available(device: torch.device) -> bool:

@@ -589,8 +589,8 @@ class FullyShardedDataParallel(
                 keep_full = grad_enabled and (not self._reshard_after_forward or not self._ctx.sync)
                 for h in self.handles:
                     h.reshard(free_full=not keep_full)
-                if not keep_full and any(not h.aliased for h in self.handles):
-                    scheduler.freed()  # (an aliased handle frees nothing: no event to throttle on)
+                if not keep_full and any(h.gathers for h in self.handles):
+                    scheduler.freed()  # See [Note: limit_all_gathers]
                 if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
                     free_unused_prefetches([h for w in self._ctx.wrappers for h in w.handles])
                     SideCopies.synchronize_all()  # no backward follows to wait for the host copies
@@ -715,7 +715,7 @@ class FullyShardedDataParallel(
                 ctx.in_flight.append(handle)
             while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
                 ctx.in_flight.popleft().finalize_gradient(asynchronous=True)
-        if not handle.aliased:
+        if handle.gathers:
             ctx.scheduler.freed()
         if index is not None:
             assert ctx.bucketer is not None

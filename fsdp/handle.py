@@ -258,6 +258,11 @@ class FlatParamHandle:
         return self._full is self._shard
 
     @property
+    def gathers(self) -> bool:
+        """Its unshard is an all-gather across ranks (not a copy, a cast or nothing)."""
+        return self.spec.world_size > 1
+
+    @property
     def prefetched(self) -> bool:
         """An all-gather was launched by :meth:`prefetch` and not yet used by :meth:`unshard`."""
         return self._gathering is not None
@@ -664,6 +669,8 @@ class FlatParamHandle:
         end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
         """
         if self._grad_copy is not None:  # a copy queued by an earlier call lands first
+            if asynchronous and self._pending is None and not self._bucketed:
+                return  # nothing new to queue: the blocking call collects it (no host wait here)
             host, event = self._grad_copy
             self._grad_copy = None
             assert self.copies is not None

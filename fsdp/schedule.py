@@ -107,6 +107,14 @@ class Scheduler:
         for h in unit.handles:
             h.prefetch()
 
+    # [Note: limit_all_gathers]
+    # The host may run ahead of the GPU, issuing all-gathers (each allocating a full unit) for units
+    # whose compute is far in the future. With the limiter on, a gather first waits until the GPU
+    # has reached the second-to-last free of a gathered unit, so at most two units' gathers run
+    # ahead of compute. Only units gathered across ranks record frees: at world size 1 (or
+    # NO_SHARD) the "unshard" is a cast or copy on the compute stream whose memory the caching
+    # allocator reuses in stream order, and a host wait there would only stall the host. On the CPU
+    # no events are recorded: compute and the host are the same.
     def throttle(self) -> None:
         """Before a gather: with the limiter on, wait until the compute before the second-to-last free
         has finished (CUDA; nothing to wait for on CPU, where no events are recorded)."""
@@ -114,8 +122,10 @@ class Scheduler:
             self.device.synchronize_event(self._free_events.popleft())
 
     def freed(self) -> None:
-        """A unit's full parameters were just freed (in stream order)."""
+        """A gathered unit's full parameters were just freed (in stream order); the last two frees are kept."""
         if self.config.limit_all_gathers:
             event = self.device.record_event(self.device.current_stream())
             if event is not None:
                 self._free_events.append(event)
+                while len(self._free_events) > 2:
+                    self._free_events.popleft()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._device import default_compute_device, device_available
+from fsdp._device import default_compute_device, device_available, with_index
 from fsdp.api import ProcessGroupName, ShardingStrategy
 from fsdp.collectives import get_process_group_cached, hybrid_groups
 
@@ -96,7 +96,7 @@ def checked_device(value: Any, name: str, allow_meta: bool = False) -> torch.dev
             f"FullyShardedDataParallel: `{name}`={device} is not available in this process (torch built without "
             "CUDA, no GPU, or an index out of range); leave it unset on a CPU machine"
         )
-    return device
+    return with_index(device)  # (one name per device: tensors on it say cuda:N, never cuda)
 
 
 def materialize_device(compute_device: Any, params_to_cpu: bool, group: Any) -> torch.device:

@@ -136,6 +136,8 @@ def compare_training(
     assert list(sd) == list(ref_sd), f"state dict keys differ: {list(sd)} vs {list(ref_sd)}"
     for k, v in ref_sd.items():
         diffs["state_dict"] = max(
-            diffs["state_dict"], (sd[k].float() - v.float()).abs().max().item() if v.numel() else 0.0
+            # (on the CPU both: state_dict() values go to the host under move_params_to_cpu)
+            diffs["state_dict"],
+            (sd[k].float().cpu() - v.float().cpu()).abs().max().item() if v.numel() else 0.0,
         )
     return diffs

@@ -57,14 +57,17 @@ def _train_with_and_without_copies() -> dict[str, Any]:
     handles = [h for w in routed.modules() if isinstance(w, FSDP) for h in w.handles]
     for h in handles:
         h.copies = copies
-    deferred = 0
+    deferred = collected_early = 0
     for h in handles:
         real = h.finalize_gradient
 
         def finalize(asynchronous: bool = False, _real: Any = real, _h: Any = h) -> None:
-            nonlocal deferred
+            nonlocal deferred, collected_early
+            queued = _h._grad_copy is not None
             _real(asynchronous)
-            deferred += _h._grad_copy is not None  # a copy whose .grad lands later
+            deferred += _h._grad_copy is not None and not queued  # a copy whose .grad lands later
+            # the queuing pass must not wait for a copy queued before it (a host sync per handle)
+            collected_early += asynchronous and queued and _h._grad_copy is None
 
         h.finalize_gradient = finalize  # type: ignore[method-assign]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, routed)]
@@ -86,6 +89,7 @@ def _train_with_and_without_copies() -> dict[str, Any]:
     return {
         "diff": diff,
         "deferred": deferred,
+        "collected_early": collected_early,
         "to_host": copies.to_host_calls,
         "to_device": copies.to_device_calls,
         "side": copies.side_calls,
@@ -108,4 +112,5 @@ def test_side_copies_change_nothing(pool: RankPool) -> None:
         # no copy is waited for when it is queued: the two units reduced first queue theirs during
         # backward, and the end-of-backward callback queues the last one before it waits for any
         assert r["deferred"] == 3 * 4, r
+        assert r["collected_early"] == 0, r
         assert not any(r["left"]), r

@@ -311,3 +311,41 @@ def test_memory_stats_count_the_unsharded_buffers(pool: RankPool) -> None:
         assert r["before"]["full_params"] == full // 2, "the compute-dtype full parameters are bf16"
         assert full // 2 <= r["step0"]["unsharded_peak"] < full, r["step0"]
         assert r["summon"]["unsharded"] == full, "summon gathers the fp32 masters"
+
+
+def _limiter_events(mixed: bool) -> dict[str, Any]:
+    """CUDA's events simulated at world size 2: each free of a gathered unit records one, and a gather
+    waits on the second-to-last free; the limiter keeps no older events."""
+    from fsdp._device import DeviceHandle
+
+    recorded: list[int] = []
+    waits: list[tuple[int, int]] = []  # (the event waited on, the newest event at that moment)
+    real = DeviceHandle.record_event, DeviceHandle.synchronize_event
+
+    def record_event(self: DeviceHandle, stream: object) -> int:
+        recorded.append(len(recorded))
+        return recorded[-1]
+
+    DeviceHandle.record_event = record_event  # type: ignore[method-assign, assignment]
+    DeviceHandle.synchronize_event = lambda self, event: waits.append((event, recorded[-1]))  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(0)
+        kwargs = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed else {}
+        model = FSDP(nn.Sequential(*[FSDP(nn.Linear(8, 8), **kwargs) for _ in range(4)]), **kwargs)
+        for _ in range(3):
+            model(torch.randn(2, 8)).float().sum().backward()
+        left = len(model._ctx.scheduler._free_events)
+    finally:
+        DeviceHandle.record_event, DeviceHandle.synchronize_event = real  # type: ignore[method-assign]
+    return {"recorded": len(recorded), "waits": waits, "left": left}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_gather_limiter_waits_on_the_second_to_last_free(pool: RankPool, mixed: bool) -> None:
+    for r in pool.run(_limiter_events, mixed):
+        # the 4 inner units free after forward and after backward (the root owns no parameters), 3 times
+        assert r["recorded"] == 3 * (4 + 4)
+        assert r["waits"], "gathers wait on earlier frees"
+        assert all(newest - event == 1 for event, newest in r["waits"]), r["waits"]
+        assert r["left"] <= 2
