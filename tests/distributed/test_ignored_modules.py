@@ -6,6 +6,7 @@ once. Their gradients are the rank's own: the tests average them by hand, as a u
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,6 +149,35 @@ def test_mixed_precision_leaves_ignored_parameters_and_buffers_alone(pool: RankP
     for r in pool.run(_layout, mixed_precision=mp):
         assert r["dtypes"] == ("torch.float32", "torch.float32")
         assert not set(IGNORED) & set(r["flattened"])
+
+
+def _ignored_inside_a_policy_unit() -> dict[str, Any]:
+    """An ignored module inside a unit the policy wraps: that inner wrapper ignores it too."""
+    torch.manual_seed(0)
+    ref = Net()
+    net = copy.deepcopy(ref)
+    norm = net.blocks[0].norm
+    model = FSDP(net, ignored_modules=[norm], auto_wrap_policy=POLICY)
+    block = net.blocks[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    return {
+        "block_wrapped": isinstance(block, FSDP),
+        "block_ignores": isinstance(block, FSDP) and block._ignored.has_module(norm),
+        "flattened": sorted(n for _, names in handles_with_ref_names(model) for n in names),
+        "norm_params": [type(p).__name__ for p in norm.parameters()],
+        "keys": list(model.state_dict()) == list(ref.state_dict()),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_policy_units_ignore_the_ignored_modules_inside_them(pool: RankPool) -> None:
+    for r in pool.run(_ignored_inside_a_policy_unit):
+        assert r["block_wrapped"] and r["block_ignores"]
+        assert not any(n.startswith("blocks.0.norm.") for n in r["flattened"]), r["flattened"]
+        assert "blocks.1.norm.weight" in r["flattened"]
+        assert r["norm_params"] == ["Parameter", "Parameter"]
+        assert r["keys"]
 
 
 # ---------------------------------------------------------------------- training
@@ -301,7 +331,7 @@ def test_state_dicts_hold_ignored_parameters_under_their_names(pool: RankPool) -
 
 
 # ---------------------------------------------------------------------- optimizer state
-def _optim_round_trip(form: str) -> dict[str, Any]:
+def _optim_round_trip(form: str, path: str = "") -> dict[str, Any]:
     _, model = _wrapped()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for step in range(2):
@@ -326,10 +356,16 @@ def _optim_round_trip(form: str) -> dict[str, Any]:
         index = full["param_names"].index("head.proj.weight")
         out["ignored_state"] = tuple(full["state"][index]["exp_avg"].shape)
         fresh_opt.load_state_dict(model.get_shard_from_optim_state_dict(full))
-    else:
+    elif form == "sharded":
         saved = model.sharded_optim_state_dict(opt)
         out["ignored_state"] = tuple(saved["state"]["head.proj.weight"]["exp_avg"].shape)
         fresh.load_sharded_optim_state_dict(fresh_opt, saved)
+    else:  # a checkpoint directory (DCP), model and optimizer loaded into a fresh pair
+        fsdp.save_checkpoint(f"{path}/ckpt", model, opt)
+        _, fresh = _wrapped(seed=1)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        fsdp.load_checkpoint(f"{path}/ckpt", fresh, fresh_opt)
+        out["ignored_state"] = tuple(fresh_opt.state[fresh.module.head.proj.weight]["exp_avg"].shape)
     for step in range(2, 4):  # both continue identically
         _step(model, opt, step)
         _step(fresh, fresh_opt, step)
@@ -339,9 +375,13 @@ def _optim_round_trip(form: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("form", ["torch_full", "torch_optim_state_dict", "fairscale", "sharded"])
-def test_optimizer_state_round_trips_with_ignored_parameters(pool: RankPool, form: str) -> None:
-    for r in pool.run(_optim_round_trip, form):
+@pytest.mark.parametrize(
+    "form", ["torch_full", "torch_optim_state_dict", "fairscale", "sharded", "checkpoint"]
+)
+def test_optimizer_state_round_trips_with_ignored_parameters(
+    pool: RankPool, form: str, tmp_path: Path
+) -> None:
+    for r in pool.run(_optim_round_trip, form, str(tmp_path)):
         assert r["ignored_state"] == (8, 8)
         assert r["diff"] == 0.0, r
 
