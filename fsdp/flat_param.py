@@ -273,7 +273,8 @@ class IgnoredStates:
     roots: tuple[nn.Module, ...]  # the ignored modules as given (none when parameters were given)
     params: tuple[nn.Parameter, ...]  # the ignored parameters as given (ignored_states=[parameters])
     _modules: dict[int, nn.Module]  # every module inside an ignored module, the roots included, by id
-    _locations: set[tuple[int, str]]  # (id(module), attribute) of every name of an ignored parameter
+    _locations: dict[tuple[int, str], nn.Module]  # (id(module), attribute) of every name of an ignored
+    # parameter -> that module
 
     def __init__(
         self,
@@ -285,11 +286,11 @@ class IgnoredStates:
         self.roots, self.params = tuple(roots), tuple(params)
         self._modules = {id(m): m for r in self.roots for m in r.modules()}
         wanted = {id(p) for p in self.params}
-        self._locations = set()
+        self._locations = {}
         for m in module.modules() if module is not None else ():
             for name, p in m._parameters.items():
                 if p is not None and (id(m) in self._modules or id(p) in wanted):
-                    self._locations.add((id(m), name))
+                    self._locations[(id(m), name)] = m
 
     def __bool__(self) -> bool:
         return bool(self.roots or self.params)
@@ -302,11 +303,15 @@ class IgnoredStates:
         return id(m) in self._modules or (id(m), name) in self._locations
 
     def tensors(self) -> list[nn.Parameter]:
-        """The ignored parameters registered now (each once)."""
+        """The ignored parameters registered now (each once), found where they are registered."""
         found: dict[int, nn.Parameter] = {}
         for m in self._modules.values():
             found.update((id(p), p) for p in m._parameters.values() if p is not None)
-        return list({**found, **{id(p): p for p in self.params}}.values())
+        for (_, name), m in self._locations.items():
+            p = m._parameters.get(name)
+            if p is not None:
+                found[id(p)] = p
+        return list(found.values())
 
     def inside(self, module: nn.Module) -> IgnoredStates:
         """The part of these that lies inside ``module`` (for a wrapper built there by a policy)."""

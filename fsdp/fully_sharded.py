@@ -274,9 +274,8 @@ class FullyShardedDataParallel(
             flatten_parameters,
         ) = torch_options
         is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        ignored = resolve_ignored(
-            module, ignored_modules, ignored_states, is_wrapper
-        )  # See [Note: ignored modules]
+        # See [Note: ignored modules]
+        ignored = resolve_ignored(module, ignored_modules, ignored_states, is_wrapper)
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options, ignored

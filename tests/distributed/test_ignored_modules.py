@@ -429,6 +429,37 @@ def test_deferred_init_leaves_ignored_modules_on_meta(pool: RankPool) -> None:
         assert r == ["meta", "meta"]
 
 
+def _meta_ignored_parameter_is_materialized() -> dict[str, Any]:
+    """An ignored parameter of a module the wrapper materializes is materialized with it, and stays
+    ignored (it is ignored where it is registered, not by the meta tensor's identity)."""
+    with torch.device("meta"):
+        net = Net()
+    meta_bias = net.out.bias
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, Head):
+            m.scale.fill_(0.5)
+        elif hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    model = FSDP(net, ignored_states=[meta_bias], device_id=torch.device("cpu"), param_init_fn=init)
+    model(_mine(_batch(0))).pow(2).mean().backward()
+    expected = sum(
+        torch.linalg.vector_norm(p.grad) ** 2 for p in net.out._parameters.values() if p is not None
+    )
+    return {
+        "bias": (str(net.out.bias.device), type(net.out._parameters["bias"]).__name__),
+        "flattened": any("out.bias" in n for h in model.handles for n in h.meta.fqns),
+        "clip_counts_it": model.clip_grad_norm_(1e9).item() ** 2 >= expected.item() * (1 - 1e-6),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_deferred_init_keeps_an_ignored_parameter_ignored(pool: RankPool) -> None:
+    for r in pool.run(_meta_ignored_parameter_is_materialized):
+        assert r == {"bias": ("cpu", "Parameter"), "flattened": False, "clip_counts_it": True}
+
+
 # ---------------------------------------------------------------------- errors
 def _errors() -> dict[str, str]:
     out = {}
