@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,12 +19,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, FSDPConfig, MixedPrecision, StateDictType, from_torch_fsdp
+from fsdp.consistency import plain_name
+from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.mixed_precision import cast_inputs
 from fsdp.nest import visit_tensors
 from fsdp.topology import checked_device
-from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children
+from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children_except
 
-__all__ = ["TorchFSDPMethods", "torch_fsdp_options", "wrap_children_with_policy"]
+__all__ = ["TorchFSDPMethods", "resolve_ignored", "torch_fsdp_options", "wrap_children_with_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -93,35 +95,176 @@ def _prefetch_flag(value: Any) -> bool:
     return value
 
 
+def resolve_ignored(
+    module: nn.Module, ignored_modules: Any, ignored_states: Any, is_wrapper: Callable[[nn.Module], bool]
+) -> IgnoredStates:
+    """The constructor's ``ignored_modules`` / ``ignored_states`` (torch FSDP1's), checked. See
+    [Note: ignored modules] in fsdp/flat_param.py.
+
+    ``ignored_states`` holds parameters or modules, not both; the two arguments exclude each other.
+    Every ignored module or parameter must be inside ``module``; a wrapper cannot be ignored nor sit
+    inside an ignored module. What an inner wrapper already ignores may be given again."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "FullyShardedDataParallel: pass either ignored_modules or ignored_states, not both (ignored_states "
+            "takes modules too)"
+        )
+    arg = "ignored_states" if ignored_states is not None else "ignored_modules"
+    given = ignored_states if ignored_states is not None else ignored_modules
+    if given is None:
+        return NOTHING_IGNORED
+    if isinstance(given, torch.Tensor):
+        given = [given]
+    try:
+        items = list(given)
+    except TypeError:
+        raise TypeError(
+            f"FullyShardedDataParallel: `{arg}` must be an iterable (a list) of nn.Module"
+            f"{'s or of nn.Parameters' if arg == 'ignored_states' else 's'}, got {type(given).__name__}"
+        ) from None
+    are_modules = all(isinstance(x, nn.Module) for x in items)
+    are_params = arg == "ignored_states" and all(isinstance(x, nn.Parameter) for x in items)
+    if not (are_modules or are_params):
+        kinds = sorted({type(x).__name__ for x in items})
+        raise ValueError(
+            f"FullyShardedDataParallel: `{arg}` must hold "
+            + ("all nn.Parameters or all nn.Modules" if arg == "ignored_states" else "nn.Modules")
+            + f", got {kinds}"
+        )
+    if not items:
+        return NOTHING_IGNORED
+    # every module inside `module`: its plain path and the nearest inner wrapper above it
+    where: dict[int, tuple[str, Any]] = {}
+    stack: list[tuple[nn.Module, str, Any]] = [(module, "", None)]
+    while stack:
+        m, path, above = stack.pop()
+        if id(m) in where:
+            continue
+        where[id(m)] = (plain_name(path), above)
+        below = m if m is not module and is_wrapper(m) else above
+        stack.extend((c, f"{path}.{n}" if path else n, below) for n, c in m._modules.items() if c is not None)
+    roots = [x for x in items if isinstance(x, nn.Module)] if are_modules else []
+    kept_roots = [r for r in roots if not _ignored_by_inner(r, module, where, is_wrapper, arg)]
+    params = [x for x in items if isinstance(x, nn.Parameter)] if are_params else []
+    held: dict[int, tuple[nn.Module, str]] = {}
+    for m in module.modules():
+        for n, p in m._parameters.items():
+            if p is not None:
+                held.setdefault(id(p), (m, n))
+    kept_params = []
+    for p in params:
+        if id(p) not in held:
+            raise ValueError(
+                f"FullyShardedDataParallel: `ignored_states` holds a parameter of shape {tuple(p.shape)} that is not "
+                "a parameter of the wrapped module (or an inner wrapper already manages it); ignore only parameters "
+                "of the module, and pass them to the inner wrapper when it is built"
+            )
+        m, n = held[id(p)]
+        path, above = where[id(m)]
+        if is_wrapper(m):
+            raise ValueError(
+                f"FullyShardedDataParallel: `ignored_states` holds the flat parameter {n!r} of the wrapper at "
+                f"{path or '<the wrapped module>'!r}; ignore original parameters, before they are wrapped"
+            )
+        if above is None:
+            kept_params.append(p)
+    return IgnoredStates(kept_roots, kept_params, module)
+
+
+def _ignored_by_inner(
+    root: nn.Module,
+    module: nn.Module,
+    where: Mapping[int, tuple[str, Any]],
+    is_wrapper: Callable[[nn.Module], bool],
+    arg: str,
+) -> bool:
+    """Check one ignored module; True when an inner wrapper already ignores it (nothing left to do)."""
+    name = f"{type(root).__name__}"
+    if root is module:
+        raise ValueError(
+            f"FullyShardedDataParallel: `{arg}` holds the wrapped module itself ({name}); nothing would be left "
+            "to shard. Do not wrap it, or ignore only some of its submodules"
+        )
+    if id(root) not in where:
+        raise ValueError(
+            f"FullyShardedDataParallel: `{arg}` holds a {name} that is not inside the wrapped module "
+            f"{type(module).__name__}; ignore only submodules of the module being wrapped"
+        )
+    path, above = where[id(root)]
+    if is_wrapper(root):
+        raise ValueError(
+            f"FullyShardedDataParallel: `{arg}` holds the FullyShardedDataParallel at {path!r}; a wrapper cannot be "
+            "ignored. Pass the module before wrapping it (and do not wrap it), or leave it out"
+        )
+    inner = [where[id(m)][0] for m in root.modules() if m is not root and is_wrapper(m)]
+    if inner:
+        raise ValueError(
+            f"FullyShardedDataParallel: the ignored module at {path!r} holds the FullyShardedDataParallel wrapper(s) "
+            f"{inner}; an ignored module's parameters stay unmanaged, so it cannot hold a wrapper. Do not wrap "
+            "inside an ignored module, or ignore only the modules beside the inner wrapper"
+        )
+    if above is None:
+        return False
+    if above._ignored.has_module(root):
+        return True
+    raise ValueError(
+        f"FullyShardedDataParallel: the module at {path!r} given in `{arg}` is inside the inner wrapper at "
+        f"{where[id(above)][0] or '<the wrapped module>'!r}, which already manages it; pass it in that wrapper's "
+        "ignored_modules when building it"
+    )
+
+
+def _options_inside(options: Mapping[str, Any], ignored: IgnoredStates, module: nn.Module) -> dict[str, Any]:
+    """The constructor's ``options`` for a wrapper a policy builds around ``module``: the ignored
+    modules or parameters inside it (torch passes its ignored modules down too)."""
+    part = ignored.inside(module)
+    if part.params:
+        return {**options, "ignored_modules": None, "ignored_states": list(part.params)}
+    return {**options, "ignored_modules": list(part.roots) or None, "ignored_states": None}
+
+
 def wrap_children_with_policy(
-    module: nn.Module, policy: AutoWrapPolicy, wrapper_cls: type, options: Mapping[str, Any]
+    module: nn.Module,
+    policy: AutoWrapPolicy,
+    wrapper_cls: type,
+    options: Mapping[str, Any],
+    ignored: IgnoredStates = NOTHING_IGNORED,
 ) -> None:
     """The constructor's ``auto_wrap_policy``: wrap what ``policy`` picks under ``module`` with the
     constructor's other ``options`` (torch's rule). Under a ``MixedPrecision``, the modules of its
     ``_module_classes_to_ignore`` (batch norm) are wrapped first, in full precision, and run in fp32
-    between casts of their inputs and outputs, as torch FSDP does."""
+    between casts of their inputs and outputs, as torch FSDP does. Nothing inside ``ignored`` is
+    wrapped; each wrapper built ignores the part of ``ignored`` inside it."""
     if not callable(policy):  # before anything is wrapped
         raise TypeError(f"FullyShardedDataParallel: auto_wrap_policy must be callable, got {policy!r}")
     options = {k: v for k, v in options.items() if k != "auto_wrap_policy"}
     mp = from_torch_fsdp(options.get("mixed_precision"))
     if isinstance(mp, MixedPrecision) and mp._module_classes_to_ignore:
         classes = tuple(set(mp._module_classes_to_ignore))
-        ignored = [m for m in module.modules() if m is not module and isinstance(m, classes)]
-        if ignored:
+        full_precision = [
+            m
+            for m in module.modules()
+            if m is not module and isinstance(m, classes) and not ignored.has_module(m)
+        ]
+        if full_precision:
             log.info(
                 "FullyShardedDataParallel: modules of %s get wrappers of their own in full precision "
                 "(MixedPrecision._module_classes_to_ignore)",
-                sorted({type(m).__name__ for m in ignored}),
+                sorted({type(m).__name__ for m in full_precision}),
             )
-            wrap_children(
+            fp32_options = {**options, "mixed_precision": None}
+            wrap_children_except(
                 module,
                 transformer_auto_wrap_policy(set(classes)),
                 wrapper_cls,
-                **{**options, "mixed_precision": None},
+                lambda m: wrapper_cls(m, **_options_inside(fp32_options, ignored, m)),
+                ignored,
             )
-            for m in ignored:
+            for m in full_precision:
                 _run_in_fp32(m)
-    wrap_children(module, policy, wrapper_cls, **options)
+    wrap_children_except(
+        module, policy, wrapper_cls, lambda m: wrapper_cls(m, **_options_inside(options, ignored, m)), ignored
+    )
 
 
 def _run_in_fp32(module: nn.Module) -> None:

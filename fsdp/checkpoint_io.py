@@ -322,7 +322,7 @@ def save_checkpoint(
                     "world_size": layout.world_size,
                     "torch_version": torch.__version__,
                     "model_keys": list(layout.keys),
-                    "aliases": {alias: s.name for s in layout.params for alias in s.aliases},
+                    "aliases": {alias: s.name for s in layout.every_param() for alias in s.aliases},
                     "has_optimizer": optimizer is not None,
                     "optimizer": _class_name(optimizer) if optimizer is not None else None,
                     "has_extra": extra is not None,
@@ -443,6 +443,7 @@ def _match_model(layout: Layout, storage: dict[str, Any], strict: bool) -> list[
     """Names and shapes of the model's entries against the checkpoint's metadata."""
     problems = []
     expected = {s.name: s.shape for s in layout.params}
+    expected.update((s.name, s.shape) for s in layout.ignored)
     expected.update((b.name, tuple(b.tensor.shape)) for b in layout.buffers)
     head = f"{_MODEL}."
     missing = [name for name in expected if head + name not in storage]
@@ -453,7 +454,7 @@ def _match_model(layout: Layout, storage: dict[str, Any], strict: bool) -> list[
         size = getattr(md, "size", None)
         if md is not None and (size is None or tuple(size) != shape):
             problems.append(f"{name!r}: shape {tuple(size or ())} in the checkpoint, {shape} in the model")
-    aliases = {a for s in layout.params for a in s.aliases}
+    aliases = {a for s in layout.every_param() for a in s.aliases}
     unexpected = [k[len(head) :] for k in storage if k.startswith(head) and k[len(head) :] not in expected]
     unexpected = [k for k in unexpected if k not in aliases]
     if strict and unexpected:

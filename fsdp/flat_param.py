@@ -34,6 +34,7 @@ from fsdp.deferred_init import materialize_if_meta_
 
 __all__ = [
     "FlatParamMeta",
+    "IgnoredStates",
     "ParamInfo",
     "SharedParamInfo",
     "check_no_parameters_added",
@@ -255,10 +256,82 @@ def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_par
         module.__dict__[name] = tensor
 
 
+# [Note: ignored modules]
+# torch FSDP1's ``ignored_modules`` / ``ignored_states``: a wrapper leaves the parameters and buffers
+# of the ignored modules (and their descendants), and the ignored parameters, where they are. They
+# stay registered under their names, so ``parameters()`` yields them (the optimizer steps on them
+# as on any plain parameter) and ``state_dict()`` holds them as they are on this rank. Nothing
+# gathers, reduces, casts or moves them: their gradients are this rank's own, and keeping them
+# equal across ranks is the user's affair, as in torch. A parameter is ignored by where it is
+# registered, (module, attribute), not by identity, so a meta parameter that a deferred
+# initialization replaces stays ignored. The walks that decide what a wrapper owns
+# (:func:`collect_owned`, :func:`check_no_parameters_added`, the buffer move) stop at an ignored
+# module; the state-dict layout walks into it and lists its parameters as ignored slots.
+class IgnoredStates:
+    """What one wrapper leaves alone. See [Note: ignored modules]."""
+
+    roots: tuple[nn.Module, ...]  # the ignored modules as given (none when parameters were given)
+    params: tuple[nn.Parameter, ...]  # the ignored parameters as given (ignored_states=[parameters])
+    _modules: dict[int, nn.Module]  # every module inside an ignored module, the roots included, by id
+    _locations: dict[tuple[int, str], nn.Module]  # (id(module), attribute) of every name of an ignored
+    # parameter -> that module
+
+    def __init__(
+        self,
+        roots: Iterable[nn.Module] = (),
+        params: Iterable[nn.Parameter] = (),
+        module: nn.Module | None = None,
+    ) -> None:
+        """``roots`` and ``params`` must lie inside ``module`` (the wrapped module); checked by the caller."""
+        self.roots, self.params = tuple(roots), tuple(params)
+        self._modules = {id(m): m for r in self.roots for m in r.modules()}
+        wanted = {id(p) for p in self.params}
+        self._locations = {}
+        for m in module.modules() if module is not None else ():
+            for name, p in m._parameters.items():
+                if p is not None and (id(m) in self._modules or id(p) in wanted):
+                    self._locations[(id(m), name)] = m
+
+    def __bool__(self) -> bool:
+        return bool(self.roots or self.params)
+
+    def has_module(self, m: nn.Module) -> bool:
+        return id(m) in self._modules
+
+    def has_param(self, m: nn.Module, name: str) -> bool:
+        """Whether ``m.<name>`` is an ignored parameter (it is inside an ignored module, or was given)."""
+        return id(m) in self._modules or (id(m), name) in self._locations
+
+    def tensors(self) -> list[nn.Parameter]:
+        """The ignored parameters registered now (each once), found where they are registered."""
+        found: dict[int, nn.Parameter] = {}
+        for m in self._modules.values():
+            found.update((id(p), p) for p in m._parameters.values() if p is not None)
+        for (_, name), m in self._locations.items():
+            p = m._parameters.get(name)
+            if p is not None:
+                found[id(p)] = p
+        return list(found.values())
+
+    def inside(self, module: nn.Module) -> IgnoredStates:
+        """The part of these that lies inside ``module`` (for a wrapper built there by a policy)."""
+        below = {id(m) for m in module.modules()}
+        held = {id(p) for m in module.modules() for p in m._parameters.values() if p is not None}
+        return IgnoredStates(
+            [r for r in self.roots if id(r) in below], [p for p in self.params if id(p) in held], module
+        )
+
+
+NOTHING_IGNORED = IgnoredStates()
+
+
 def collect_owned(
-    module: nn.Module, is_wrapper: Callable[[nn.Module], bool]
+    module: nn.Module,
+    is_wrapper: Callable[[nn.Module], bool],
+    ignored: IgnoredStates = NOTHING_IGNORED,
 ) -> tuple[list[tuple[str, nn.Parameter]], dict[str, nn.Module], list[tuple[str, Any]]]:
-    """Parameters (every name, tied ones included) not under an inner wrapper; modules by name; inner wrappers."""
+    """Parameters (every name, tied ones included) not under an inner wrapper nor ``ignored``; modules
+    by name (ignored ones left out); inner wrappers."""
     owned: list[tuple[str, nn.Parameter]] = []
     module_of: dict[str, nn.Module] = {}
     inner: list[tuple[str, Any]] = []
@@ -273,9 +346,11 @@ def collect_owned(
         if m is not module and is_wrapper(m):
             inner.append((prefix[:-1], m))
             continue
+        if m is not module and ignored.has_module(m):
+            continue
         module_of[prefix.rstrip(".")] = m
         for name, p in m._parameters.items():
-            if p is not None:
+            if p is not None and not ignored.has_param(m, name):
                 owned.append((prefix + name, p))
         children = [(c, prefix + name + ".") for name, c in m._modules.items() if c is not None]
         stack.extend(reversed(children))  # depth first, in module order
@@ -310,16 +385,23 @@ def registrations() -> int:
     return _REGISTRATIONS[0]
 
 
-def check_no_parameters_added(module: nn.Module, is_wrapper: Callable[[nn.Module], bool], where: str) -> None:
+def check_no_parameters_added(
+    module: nn.Module,
+    is_wrapper: Callable[[nn.Module], bool],
+    where: str,
+    ignored: IgnoredStates = NOTHING_IGNORED,
+) -> None:
     """Between wrapping and the first forward a wrapper's modules hold no parameters of their own
-    (its flat parameters replace them): one found there was added after wrapping, and would train
-    on this rank's gradients alone."""
+    (its flat parameters replace them) but the ``ignored`` ones: one found there was added after
+    wrapping, and would train on this rank's gradients alone."""
     stack: list[tuple[nn.Module, str]] = [(module, "")]
     while stack:
         m, prefix = stack.pop()
-        if is_wrapper(m):
+        if is_wrapper(m) or ignored.has_module(m):
             continue
-        added = [prefix + n for n, p in m._parameters.items() if p is not None]
+        added = [
+            prefix + n for n, p in m._parameters.items() if p is not None and not ignored.has_param(m, n)
+        ]
         if added:
             raise RuntimeError(
                 f"FullyShardedDataParallel: parameter(s) {added} inside the wrapper at {where!r} were added after "
@@ -450,6 +532,7 @@ def own_parameters(
     others: Iterable[Any],
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None,
+    ignored: IgnoredStates = NOTHING_IGNORED,
 ) -> tuple[
     list[tuple[str, nn.Parameter]],
     dict[str, nn.Module],
@@ -458,11 +541,26 @@ def own_parameters(
 ]:
     """What a new wrapper of ``module`` owns: :func:`collect_owned` after the tie checks (``others``:
     the live wrappers) and after materializing a unit built on the meta device on ``device``. Also
-    returns the meta parameters that materialization replaced (empty if none)."""
-    owned, module_of, inner = collect_owned(module, is_wrapper)
+    returns the meta parameters that materialization replaced (empty if none). Ignored modules are
+    not materialized (an ignored parameter of a materialized module is, like torch's)."""
+    owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
     _check_not_wrapped_already(module_of)
     check_not_owned_by_inner(owned, inner, others)
+    _check_not_tied_to_ignored(owned, ignored)
     replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
     if replaced:
-        owned, module_of, inner = collect_owned(module, is_wrapper)
+        owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
     return owned, module_of, inner, replaced
+
+
+def _check_not_tied_to_ignored(owned: list[tuple[str, nn.Parameter]], ignored: IgnoredStates) -> None:
+    if not ignored:
+        return
+    kept = {id(p) for p in ignored.tensors()}
+    tied = [fqn for fqn, p in owned if id(p) in kept]
+    if tied:
+        raise ValueError(
+            f"FullyShardedDataParallel: parameter(s) {tied[:3]} are ignored (ignored_modules / ignored_states) under "
+            "another name but used here by a module the wrapper manages; a tied parameter is either managed or "
+            "ignored under every name. Ignore every module that uses it, or none"
+        )

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,12 @@ from fsdp._fairscale_attrs import FairscaleAttributes
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
-from fsdp._torch_compat import TorchFSDPMethods, torch_fsdp_options, wrap_children_with_policy
+from fsdp._torch_compat import (
+    TorchFSDPMethods,
+    resolve_ignored,
+    torch_fsdp_options,
+    wrap_children_with_policy,
+)
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -62,6 +67,7 @@ from fsdp.consistency import (
     wrapper_path,
 )
 from fsdp.flat_param import (
+    IgnoredStates,
     check_no_parameters_added,
     claim_modules,
     collect_owned,
@@ -177,6 +183,8 @@ class FullyShardedDataParallel(
             ``world_size / factor`` after it (default: fairscale's choice, see
             :func:`fsdp.api.default_gradient_predivide_factor`).
         allow_reset_parameters: let ``reset_parameters()`` reach the wrapped module.
+        ignored_modules, ignored_states: torch FSDP1's; modules (and their descendants) or parameters
+            left unmanaged: regular parameters under their names, never sharded, reduced or cast.
         verbose: a more detailed ``repr``.
     """
 
@@ -193,6 +201,7 @@ class FullyShardedDataParallel(
     _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
+    _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
 
     def __init__(
         self,
@@ -228,6 +237,8 @@ class FullyShardedDataParallel(
         sync_module_states: bool = False,
         device_id: int | torch.device | None = None,
         use_orig_params: bool = False,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
@@ -262,9 +273,12 @@ class FullyShardedDataParallel(
             compute_device,
             flatten_parameters,
         ) = torch_options
+        is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
+        # See [Note: ignored modules]
+        ignored = resolve_ignored(module, ignored_modules, ignored_states, is_wrapper)
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             wrap_children_with_policy(
-                module, auto_wrap_policy, FullyShardedDataParallel, options
+                module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
             )  # (not a subclass's)
         offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
         params_to_cpu = offload.params_to_cpu
@@ -282,9 +296,8 @@ class FullyShardedDataParallel(
             else default_gradient_predivide_factor(dp_size)
         )
 
-        is_wrapper = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         target = materialize_device(compute_device, params_to_cpu, groups.dp)
-        collected, _, inner = collect_owned(module, is_wrapper)
+        collected, _, inner = collect_owned(module, is_wrapper, ignored)
         for path, w in inner:
             if w._inside_another:
                 raise ValueError(
@@ -334,7 +347,9 @@ class FullyShardedDataParallel(
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
         try:
-            owned, module_of, inner, before = own_parameters(module, is_wrapper, _LIVE, target, param_init_fn)
+            owned, module_of, inner, before = own_parameters(
+                module, is_wrapper, _LIVE, target, param_init_fn, ignored
+            )
         finally:
             for w in nested:
                 w._frozen = False
@@ -375,8 +390,9 @@ class FullyShardedDataParallel(
         self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
         self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
+        self._ignored = ignored
         self._buffer_dtypes = move_owned_buffers(
-            module, device, precision.buffer_dtype, lambda m: isinstance(m, FullyShardedDataParallel)
+            module, device, precision.buffer_dtype, lambda m: is_wrapper(m) or ignored.has_module(m)
         )
         if sync_module_states:
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
@@ -555,6 +571,7 @@ class FullyShardedDataParallel(
                     w.module,
                     lambda m: isinstance(m, FullyShardedDataParallel),
                     wrapper_path(self, w) or "<root>",
+                    w._ignored,
                 )
         ctx.registrations = count
 
@@ -807,7 +824,8 @@ class FullyShardedDataParallel(
 
         Call it on the root after backward, on every rank. The norm is computed over every rank's
         gradient shards (one all-reduce per shard group), so it is identical on all ranks and equal
-        to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+        to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count once,
+        with this rank's gradients (they are not reduced).
         """
         self._require_root("clip_grad_norm_()")
         ctx = self._ctx
@@ -819,7 +837,10 @@ class FullyShardedDataParallel(
                 "reduced yet, so there is nothing to clip; call it after the backward outside no_sync()"
             )
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
-        return clip_grad_norm_(handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats)
+        ignored = {id(p): p for w in ctx.wrappers for p in w._ignored.tensors() if p.requires_grad}
+        return clip_grad_norm_(
+            handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats, list(ignored.values())
+        )
 
     def _require_root(self, what: str) -> None:
         if self._is_root is None and not self._inside_another:
@@ -848,6 +869,7 @@ class FullyShardedDataParallel(
                 w._module_param_order,
                 w._buffer_dtypes,
                 w.fsdp_config.no_broadcast_optim_state,
+                w._ignored,
             )
             for w in wrappers
         }

@@ -720,12 +720,16 @@ def clip_grad_norm_(
     norm_type: float,
     device: torch.device,
     stats: CommStats,
+    plain: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Clip the shard gradients of ``handles`` by their global ``norm_type``-norm; return the norm.
+    """Clip the shard gradients of ``handles`` and the gradients of the ``plain`` parameters
+    (ignored ones: the same on every rank, not sharded) by their global ``norm_type``-norm; return
+    the norm.
 
     ``|g|^p`` is summed (max for the inf-norm) over the local shards per shard group, padding
     contributing zeros, and all-reduced once per group; unsharded (NO_SHARD) gradients are complete
-    locally, so replicas are never counted twice. Collective over the shard groups.
+    locally, so replicas are never counted twice, and neither are ``plain`` gradients, which are
+    added locally after the reductions. Collective over the shard groups.
     """
     p = norm_type
     if not (p > 0):  # also NaN; -inf and p <= 0 are no norms of the concatenated gradients
@@ -752,10 +756,15 @@ def clip_grad_norm_(
             op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
             all_reduce(value, group, op=op, stats=stats).wait()
         total = torch.maximum(total, value) if p == math.inf else total + value
+    for param in plain:
+        if param.grad is not None and param.grad.numel() > 0:
+            g = param.grad.detach()
+            value = (g.abs().max() if p == math.inf else torch.linalg.vector_norm(g.float(), p) ** p).float()
+            total = torch.maximum(total, value.to(device)) if p == math.inf else total + value.to(device)
     norm = total if p == math.inf else total ** (1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for h in handles:
-        grad = h.flat_param.grad
+    grads = [h.flat_param.grad for h in handles] + [param.grad for param in plain]
+    for grad in grads:
         if grad is not None:
             grad.detach().mul_(coef.to(grad.device, grad.dtype))
     return norm

@@ -20,6 +20,10 @@ parameter. This module converts that state to and from two forms keyed per origi
 A per-element state is recognised by its shape: the shard's in flat form; a parameter's shape with
 at least one dimension in the per-parameter forms (so for 0-dim parameters it is inferred from the
 other parameters that have the same key).
+
+Ignored parameters (``ignored_modules``, see [Note: ignored modules] in ``fsdp/flat_param.py``) are
+plain parameters of the optimizer: their state is kept as it is on each rank, in every form, as
+torch FSDP1 does (the full form holds the recipient's own, the sharded form plain tensors).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from fsdp.handle import FlatParamHandle
 from fsdp.state_layout import (
+    IgnoredSlot,
     Layout,
     ParamSlot,
     agree,
@@ -61,11 +67,23 @@ log = logging.getLogger(__name__)
 
 _GROUP_SKIP = ("params", "param_names")  # per-group entries that are not hyperparameters
 
+Item = FlatParamHandle | IgnoredSlot  # what the optimizer holds: a flat parameter or an ignored one
+
+
+def _slots(layout: Layout, item: Item) -> tuple[ParamSlot, ...] | tuple[IgnoredSlot]:
+    return (item,) if isinstance(item, IgnoredSlot) else layout.slots(item)
+
+
+def _param(item: Item) -> torch.Tensor:
+    return item.param if isinstance(item, IgnoredSlot) else item.flat_param
+
 
 # ---------------------------------------------------------------------- the optimizer's flat view
-def _groups_of(layout: Layout, optim: torch.optim.Optimizer) -> list[list[FlatParamHandle]]:
-    """The model's handles in each of the optimizer's param groups, in the optimizer's order."""
-    handle_of = {id(h.flat_param): h for h in layout.handles()}
+def _groups_of(layout: Layout, optim: torch.optim.Optimizer) -> list[list[Item]]:
+    """The model's handles (and ignored parameters) in each of the optimizer's param groups, in the
+    optimizer's order."""
+    handle_of: dict[int, Item] = {id(h.flat_param): h for h in layout.handles()}
+    handle_of.update((id(s.param), s) for s in layout.ignored)
     groups = []
     for g, group in enumerate(optim.param_groups):
         handles = []
@@ -111,10 +129,23 @@ def _flat_state_kinds(handle: FlatParamHandle, state: Mapping[str, Any]) -> dict
     return kinds
 
 
-def _agreed_structure(layout: Layout, optim: torch.optim.Optimizer, what: str) -> list[list[FlatParamHandle]]:
+def _plain_state_kinds(slot: IgnoredSlot, state: Mapping[str, Any]) -> dict[str, str]:
+    """An ignored parameter's state: ``"full"`` (shaped like it), ``"scalar"`` or ``"object"``."""
+    kinds = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            kinds[key] = "object"
+        elif value.dim() == 0:
+            kinds[key] = "scalar"
+        else:
+            kinds[key] = "full" if tuple(value.shape) == slot.shape else f"shape {tuple(value.shape)}"
+    return kinds
+
+
+def _agreed_structure(layout: Layout, optim: torch.optim.Optimizer, what: str) -> list[list[Item]]:
     """:func:`_structure`, with every rank agreeing that it succeeded and matches (else all raise)."""
     error, shape = None, None
-    groups: list[list[FlatParamHandle]] = []
+    groups: list[list[Item]] = []
     try:
         groups, shape = _structure(layout, optim)
     except (ValueError, NotImplementedError) as e:
@@ -123,7 +154,7 @@ def _agreed_structure(layout: Layout, optim: torch.optim.Optimizer, what: str) -
     return groups
 
 
-def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[FlatParamHandle]], list[Any]]:
+def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[Item]], list[Any]]:
     """The optimizer's groups over handles, and a description every rank must share (checked by :func:`agree`)."""
     for unit in layout.units:
         if unit.no_broadcast_optim_state:
@@ -132,31 +163,30 @@ def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[
                 "expert-parallel units); its optimizer state cannot be gathered or resharded yet"
             )
     groups = _groups_of(layout, optim)
-    position = {id(h): i for i, h in enumerate(layout.handles())}
+    position = {id(h): i for i, h in enumerate(layout.items)}
     states = _flat_states(optim)
-    shape = [
-        [
-            (position[id(h)], sorted(_flat_state_kinds(h, states.get(id(h.flat_param), {})).items()))
-            for h in handles
-        ]
-        for handles in groups
-    ]
+    shape = [[(position[id(h)], _kinds_of(h, states)) for h in handles] for handles in groups]
     return groups, shape
+
+
+def _kinds_of(item: Item, states: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, str]]:
+    state = states.get(id(_param(item)), {})
+    if isinstance(item, IgnoredSlot):
+        return sorted(_plain_state_kinds(item, state).items())
+    return sorted(_flat_state_kinds(item, state).items())
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in group.items() if k not in _GROUP_SKIP}
 
 
-def _plain_order(layout: Layout, groups: Sequence[Sequence[FlatParamHandle]]) -> list[list[ParamSlot]]:
-    """Original parameters of each group in the model's named_parameters() order."""
-    group_of = {id(h): g for g, handles in enumerate(groups) for h in handles}
-    out: list[list[ParamSlot]] = [[] for _ in groups]
-    for slot in layout.params:
-        g = group_of.get(id(slot.handle))
-        if g is not None:
-            out[g].append(slot)
-    return out
+def _plain_order(layout: Layout, groups: Sequence[Sequence[Item]]) -> list[list[str]]:
+    """The names of the original (and ignored) parameters of each group, in the model's
+    named_parameters() order."""
+    return [
+        sorted((s.name for h in items for s in _slots(layout, h)), key=layout.positions.__getitem__)
+        for items in groups
+    ]
 
 
 def _copy(value: Any, device: torch.device | None = None) -> Any:
@@ -181,11 +211,15 @@ def gather_full_optim_state_dict(
     groups = _agreed_structure(layout, optim, "gather_full_optim_state_dict")
     keep = layout.rank == recipient_rank
     ordered = _plain_order(layout, groups)
-    ids = {slot.name: i for i, slot in enumerate(s for group in ordered for s in group)}
+    ids = {name: i for i, name in enumerate(n for group in ordered for n in group)}
     state: dict[int, dict[str, Any]] = {}
     states = _flat_states(optim)
     for handles in groups:
         for h in handles:
+            if isinstance(h, IgnoredSlot):  # this rank's own state (the recipient's is kept)
+                if keep and states.get(id(h.param)):
+                    state[ids[h.name]] = {k: _copy(v, device) for k, v in states[id(h.param)].items()}
+                continue
             flat_state = states.get(id(h.flat_param), {})
             slots = layout.slots(h)
             per_param: list[dict[str, Any]] = [{} for _ in slots]
@@ -207,11 +241,11 @@ def gather_full_optim_state_dict(
     param_groups = []
     for g, group in enumerate(optim.param_groups):
         saved = _hyper(group)
-        saved["params"] = [ids[s.name] for s in ordered[g]]
+        saved["params"] = [ids[name] for name in ordered[g]]
         if "param_names" in group:
-            saved["param_names"] = [s.name for s in ordered[g]]
+            saved["param_names"] = list(ordered[g])
         param_groups.append(saved)
-    names = [s.name for group in ordered for s in group]
+    names = [name for group in ordered for name in group]
     # other top-level keys of the optimizer's state dict (a wrapper's loss scale, say) are kept
     extras = {
         k: copy.deepcopy(v) for k, v in optim.state_dict().items() if k not in ("state", "param_groups")
@@ -305,7 +339,7 @@ def _canonical_names(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A name-keyed optimizer state dict with every alias of a tied parameter replaced by its first
     name. State under a name that no param group lists is refused (it would be dropped)."""
-    primary = {n: s.name for s in layout.params for n in (s.name, *s.aliases)}
+    primary = {n: s.name for s in layout.every_param() for n in (s.name, *s.aliases)}
     renamed = [{**g, "params": [primary.get(n, n) for n in g["params"]]} for g in groups]
     listed = {n for g in renamed for n in g["params"]}
     canonical: dict[str, Any] = {}
@@ -372,8 +406,11 @@ def get_shard_from_optim_state_dict(
     elif names is None:
         if any(isinstance(i, str) for i in all_ids):
             raise ValueError(f"{where}: the param groups mix parameter names and ids; pass one form")
-        trainable = [s.name for s in layout.params if s.handle.requires_grad]
-        every = [s.name for s in layout.params]
+        plain = [(s.name, s.handle.requires_grad) for s in layout.params]
+        plain += [(s.name, s.param.requires_grad) for s in layout.ignored]
+        plain.sort(key=lambda entry: layout.positions[entry[0]])
+        trainable = [name for name, requires_grad in plain if requires_grad]
+        every = [name for name, _ in plain]
         candidates = [c for c in (trainable, every) if len(c) == len(all_ids)]
         if len(saved_groups) != 1 or not candidates:
             raise ValueError(
@@ -384,7 +421,9 @@ def get_shard_from_optim_state_dict(
         name_of = dict(zip(all_ids, candidates[0], strict=True))
     else:
         name_of = dict(enumerate(names))
-    slot_of = {n: s for s in layout.params for n in (s.name, *s.aliases)}
+    slot_of: dict[str, ParamSlot | IgnoredSlot] = {
+        n: s for s in layout.every_param() for n in (s.name, *s.aliases)
+    }
     unknown = [name_of[i] for i in all_ids if name_of[i] not in slot_of]
     if unknown:
         raise ValueError(f"{where}: parameter(s) {unknown[:5]} of the saved state are not in this model")
@@ -393,21 +432,22 @@ def get_shard_from_optim_state_dict(
     for g, group in enumerate(saved_groups):
         for i in group["params"]:
             slot = slot_of[name_of[i]]
-            if group_of.setdefault(id(slot.handle), g) != g:
+            item: Item = slot if isinstance(slot, IgnoredSlot) else slot.handle
+            if group_of.setdefault(id(item), g) != g:
                 raise ValueError(
                     f"{where}: {slot.name!r} is in saved param group {g} but a parameter flattened with it is in group "
-                    f"{group_of[id(slot.handle)]}; all parameters of one flat parameter must share a param group"
+                    f"{group_of[id(item)]}; all parameters of one flat parameter must share a param group"
                 )
             entry = saved_state.get(i, saved_state.get(str(i)))
             if entry and fairscale:
                 entry = _one_rank_singletons(entry, layout.rank)
             if entry:
                 per_name[slot.name] = entry
-    covered = [h for h in layout.handles() if id(h) in group_of]
+    covered = [h for h in layout.items if id(h) in group_of]
     listed = {slot_of[name_of[i]].name for i in all_ids}
     for h in covered:
-        absent = [s.name for s in layout.slots(h) if s.name not in listed]
-        if absent and len(absent) < len(layout.slots(h)):
+        absent = [s.name for s in _slots(layout, h) if s.name not in listed]
+        if absent and len(absent) < len(_slots(layout, h)):
             raise ValueError(f"{where}: parameter(s) {absent} are missing from the saved param groups")
     if optim is not None:
         groups = _groups_of(layout, optim)
@@ -429,6 +469,13 @@ def get_shard_from_optim_state_dict(
         group = _hyper(saved_groups[g])
         group["params"] = []
         for h in handles:
+            if isinstance(h, IgnoredSlot):  # kept as saved
+                entry = per_name.get(h.name)
+                if entry:
+                    state[next_id] = {k: _copy(v) for k, v in entry.items()}
+                group["params"].append(next_id)
+                next_id += 1
+                continue
             slots = layout.slots(h)
             entries = [per_name.get(s.name) for s in slots]
             if any(e is not None for e in entries):
@@ -456,6 +503,10 @@ def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> di
     per_name: dict[str, dict[str, Any]] = {}
     for handles in groups:
         for h in handles:
+            if isinstance(h, IgnoredSlot):  # this rank's own, as plain tensors
+                if optim.state.get(h.param):
+                    per_name[h.name] = {k: _copy(v) for k, v in optim.state[h.param].items()}
+                continue
             flat_state = optim.state.get(h.flat_param, {})
             if not flat_state:
                 continue
@@ -477,9 +528,9 @@ def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> di
     param_groups = []
     for g, group in enumerate(optim.param_groups):
         saved = _hyper(group)
-        saved["params"] = [s.name for s in ordered[g]]
+        saved["params"] = list(ordered[g])
         param_groups.append(saved)
-    state = {s.name: per_name[s.name] for s in layout.params if s.name in per_name}
+    state = {name: per_name[name] for name in sorted(per_name, key=layout.positions.__getitem__)}
     return {"state": state, "param_groups": param_groups}
 
 
@@ -492,7 +543,7 @@ def sharded_optim_state_dict_template(
     (e.g. ``"optim."``). Returns the template and the problems found (unknown parameters, shapes).
     """
     mesh = layout.mesh()
-    slot_of = {s.name: s for s in layout.params}
+    slot_of: dict[str, ParamSlot | IgnoredSlot] = {s.name: s for s in layout.every_param()}
     state: dict[str, dict[str, Any]] = {}
     problems = []
     head = prefix + "state."
@@ -514,7 +565,10 @@ def sharded_optim_state_dict_template(
             # are fused or capturable (their load_state_dict moves it to the parameter's device)
             value = torch.empty((), dtype=md.properties.dtype)
         elif isinstance(md, TensorStorageMetadata) and tuple(md.size) == slot.shape:
-            value = empty_sharded(slot.shape, md.properties.dtype, layout, mesh, slot.handle.shard_device)
+            if isinstance(slot, IgnoredSlot):  # a plain tensor, where the parameter is
+                value = torch.empty(slot.shape, dtype=md.properties.dtype, device=slot.param.device)
+            else:
+                value = empty_sharded(slot.shape, md.properties.dtype, layout, mesh, slot.handle.shard_device)
         else:
             problems.append(
                 f"optimizer state {name!r} of {slot.name!r} has shape {tuple(getattr(md, 'size', ()))} in the "
@@ -558,7 +612,7 @@ class OptimLoadPlan:
     """A checked sharded optimizer state dict, ready to be applied (see :func:`check_sharded_optim_state_dict`)."""
 
     def __init__(self) -> None:
-        self.groups: list[list[FlatParamHandle]] = []
+        self.groups: list[list[Item]] = []
         self.param_groups: list[dict[str, Any]] = []  # hyperparameters per local group
         self.entries: dict[str, Mapping[str, Any]] = {}  # parameter name -> its saved state
         self.elementwise: set[str] = set()
@@ -584,10 +638,10 @@ def check_sharded_optim_state_dict(
             "build the optimizer with the same groups"
         )
         return plan
-    slot_of = {n: s for s in layout.params for n in (s.name, *s.aliases)}
+    slot_of = {n: s for s in layout.every_param() for n in (s.name, *s.aliases)}
     group_of_name = {n: g for g, group in enumerate(saved_groups) for n in group.get("params", [])}
     for g, handles in enumerate(plan.groups):
-        saved = {group_of_name[s.name] for h in handles for s in layout.slots(h) if s.name in group_of_name}
+        saved = {group_of_name[s.name] for h in handles for s in _slots(layout, h) if s.name in group_of_name}
         if len(saved) > 1 or (saved and saved != {g}):
             plan.errors.append(
                 f"param group {g} of the optimizer holds parameters of saved group(s) {sorted(saved)}; build the "
@@ -604,7 +658,7 @@ def check_sharded_optim_state_dict(
     kinds: list[Any] = []
     for handles in plan.groups:
         for h in handles:
-            for slot in layout.slots(h):
+            for slot in _slots(layout, h):
                 entry = plan.entries.get(slot.name, {})
                 for key in sorted(plan.elementwise & entry.keys()):
                     value = entry[key]
@@ -615,7 +669,9 @@ def check_sharded_optim_state_dict(
                         )
                     else:
                         kinds.append((slot.name, key, value_kind(value, layout)))
-            kinds.append(sorted(set().union(*(plan.entries.get(s.name, {}).keys() for s in layout.slots(h)))))
+            kinds.append(
+                sorted(set().union(*(plan.entries.get(s.name, {}).keys() for s in _slots(layout, h))))
+            )
     plan.digest = digest_of(kinds)
     return plan
 
@@ -629,6 +685,15 @@ def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer,
         group = dict(plan.param_groups[g])
         group["params"] = []
         for h in handles:
+            if isinstance(h, IgnoredSlot):
+                entry = plan.entries.get(h.name)
+                if entry:
+                    state[next_id] = {
+                        k: v.full_tensor() if isinstance(v, DTensor) else _copy(v) for k, v in entry.items()
+                    }
+                group["params"].append(next_id)
+                next_id += 1
+                continue
             slots = layout.slots(h)
             entries = [plan.entries.get(s.name) for s in slots]
             if any(e is not None for e in entries):

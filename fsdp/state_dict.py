@@ -175,8 +175,9 @@ def skip_children_once(module: nn.Module) -> None:
 
 # ---------------------------------------------------------------------- sharded (DCP) state dict
 def sharded_state_dict(layout: Layout) -> dict[str, torch.Tensor]:
-    """Every original parameter as a row-sharded DTensor (fp32 masters) and every persistent buffer
-    (original dtype), keyed by name in the unwrapped model. Collective. See [Note: sharded state dict layout].
+    """Every original parameter as a row-sharded DTensor (fp32 masters), every ignored parameter as
+    this rank's plain tensor, and every persistent buffer (original dtype), keyed by name in the
+    unwrapped model. Collective. See [Note: sharded state dict layout].
 
     A tied parameter appears once, under its first name. Values are copies.
     """
@@ -187,6 +188,8 @@ def sharded_state_dict(layout: Layout) -> dict[str, torch.Tensor]:
         for slot in layout.slots(h):
             out[slot.name] = to_sharded(slot.view(full), layout, mesh, h.shard_device)
         del full
+    for s in layout.ignored:
+        out[s.name] = s.param.detach().clone()
     for b in layout.buffers:
         out[b.name] = b.tensor.detach().to(b.dtype, copy=True)
     return {k: out[k] for k in layout.keys if k in out}
@@ -200,6 +203,8 @@ def sharded_state_dict_template(layout: Layout) -> dict[str, torch.Tensor]:
         out[slot.name] = empty_sharded(
             slot.shape, slot.handle.meta.dtype, layout, mesh, slot.handle.shard_device
         )
+    for s in layout.ignored:
+        out[s.name] = torch.empty_like(s.param.detach())
     for b in layout.buffers:
         out[b.name] = torch.empty(b.tensor.shape, dtype=b.dtype, device=b.tensor.device)
     return {k: out[k] for k in layout.keys if k in out}
@@ -224,6 +229,7 @@ def check_sharded_state_dict(layout: Layout, state: Mapping[str, Any], strict: b
     known: set[str] = set()
     kinds = []
     targets = [(s.name, (s.name, *s.aliases), s.shape) for s in layout.params]
+    targets += [(s.name, (s.name, *s.aliases), s.shape) for s in layout.ignored]
     targets += [(b.name, (b.name,), tuple(b.tensor.shape)) for b in layout.buffers]
     for name, names, shape in targets:
         known.update(names)
@@ -252,10 +258,11 @@ def apply_sharded_state_dict(layout: Layout, plan: ShardedLoadPlan) -> NamedTupl
         if any(v is not None for v in values):
             write_shard_(h, shard_writes(h, values, layout, h.meta.dtype))
     with torch.no_grad():
-        for b in layout.buffers:
-            value = plan.values.get(b.name)
+        plain = [(s.name, s.param) for s in layout.ignored] + [(b.name, b.tensor) for b in layout.buffers]
+        for name, tensor in plain:
+            value = plan.values.get(name)
             if value is not None:
-                b.tensor.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+                tensor.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
 

@@ -2,7 +2,8 @@
 the helpers they share. Never imports the wrapper.
 
 - :class:`Layout` (built by :func:`describe`): every wrapper's flat parameters, every original
-  parameter (by its name in the unwrapped model, in ``named_parameters()`` order), every persistent
+  parameter (by its name in the unwrapped model, in ``named_parameters()`` order), the ignored
+  parameters (plain ones, see [Note: ignored modules] in ``fsdp/flat_param.py``), every persistent
   buffer, and the unwrapped model's ``state_dict()`` keys.
 - :func:`agree`: every rank raises the same error, before a step whose collectives only match if
   every rank takes part.
@@ -14,6 +15,7 @@ the helpers they share. Never imports the wrapper.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -30,12 +32,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from fsdp._device import SideCopies
 from fsdp.collectives import all_gather, all_gather_ints, digest_of_text
 from fsdp.consistency import CHECKPOINT_WRAPPED, is_activation_wrapper
-from fsdp.flat_param import ParamInfo
+from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates, ParamInfo
 from fsdp.handle import FlatParamHandle
 from fsdp.sharding import intersect
 
 __all__ = [
     "BufferSlot",
+    "IgnoredSlot",
     "Layout",
     "ParamSlot",
     "Unit",
@@ -65,6 +68,7 @@ class UnitSpec:
         str, torch.dtype
     ]  # owned buffer (name relative to `wrapped`) -> dtype before wrapping
     no_broadcast_optim_state: bool = False
+    ignored: IgnoredStates = NOTHING_IGNORED  # what the wrapper leaves alone
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,27 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
+class IgnoredSlot:
+    """A parameter no wrapper manages (``ignored_modules`` / ``ignored_states``): a plain parameter
+    registered under its name, with this rank's values. See [Note: ignored modules]."""
+
+    name: str  # name in the unwrapped model (first name met by named_parameters())
+    module: nn.Module
+    attr: str
+    aliases: tuple[str, ...]  # further names of a tied parameter
+
+    @property
+    def param(self) -> nn.Parameter:
+        value = self.module._parameters[self.attr]
+        assert value is not None, f"ignored parameter {self.name} was removed"
+        return value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.param.shape)
+
+
+@dataclass(frozen=True)
 class BufferSlot:
     name: str  # state_dict() key in the unwrapped model
     module: nn.Module
@@ -123,9 +148,17 @@ class Layout:
     world_size: int
     rank: int
     device: torch.device
+    ignored: tuple[IgnoredSlot, ...] = ()  # unmanaged parameters, named_parameters() order (tied: once)
+    items: tuple[FlatParamHandle | IgnoredSlot, ...] = ()  # what model.parameters() yields, in its order
+    positions: Mapping[str, int] = dataclasses.field(default_factory=dict)  # primary name -> index in the
+    # unwrapped model's named_parameters() (managed and ignored together)
 
     def handles(self) -> list[FlatParamHandle]:
         return [h for u in self.units for h in u.handles]
+
+    def every_param(self) -> tuple[ParamSlot | IgnoredSlot, ...]:
+        """Every parameter, each once: the managed ones, then the ignored ones."""
+        return (*self.params, *self.ignored)
 
     def slots(self, handle: FlatParamHandle) -> tuple[ParamSlot, ...]:
         return self.by_handle[id(handle)]
@@ -138,6 +171,7 @@ class Layout:
                 params = " ".join(f"{p.fqn}:{tuple(p.shape)}" for p in h.meta.params)
                 shared = " ".join(s.fqn for s in h.meta.shared)
                 lines.append(f"{u.path}|{h.meta.dtype}|{h.meta.requires_grad}|{params}|{shared}")
+        lines += [f"ignored|{s.name}:{s.shape}" for s in self.ignored]
         return hashlib.sha1("\n".join(lines).encode()).hexdigest()
 
     def mesh(self) -> DeviceMesh:
@@ -169,28 +203,48 @@ def describe(
     order: list[tuple[FlatParamHandle, int]] = []
     buffers: list[BufferSlot] = []
     keys: list[str] = []
+    ignored: dict[int, tuple[nn.Module, str, list[str]]] = {}  # id(parameter) -> where first met, its names
+    met: list[tuple[FlatParamHandle, int] | int] = []  # managed slots and ignored ids, first met first
+    items: list[FlatParamHandle | int] = []  # handles and ignored ids in model.parameters() order
 
     # A depth-first walk in nn.Module.state_dict's order (a module's parameters, its buffers, then
     # each child's subtree), with an explicit stack: a recursive closure would be a reference cycle
     # that keeps the modules alive until the cyclic garbage collector runs.
-    stack: list[tuple[nn.Module, str, UnitSpec | None, str]] = [(root, "", None, "")]
+    # (``inside``: the module is in an ignored module, whose parameters are all ignored)
+    stack: list[tuple[nn.Module, str, UnitSpec | None, str, bool]] = [(root, "", None, "", False)]
     while stack:
-        m, prefix, owner, rel = stack.pop()
+        m, prefix, owner, rel, inside = stack.pop()
         wrapper_spec = units.get(id(m))
         if wrapper_spec is not None:
             found.append(
                 Unit(prefix[:-1], tuple(wrapper_spec.handles), wrapper_spec.no_broadcast_optim_state)
             )
-            stack.append((wrapper_spec.wrapped, prefix, wrapper_spec, ""))
+            items.extend(wrapper_spec.handles)
+            stack.append((wrapper_spec.wrapped, prefix, wrapper_spec, "", False))
             continue
+        inside = inside or (owner is not None and owner.ignored.has_module(m))
         if is_activation_wrapper(m) and not m._parameters and not m._buffers:  # (its hooks hide its level)
-            stack.append((m._modules[CHECKPOINT_WRAPPED], prefix, owner, rel + CHECKPOINT_WRAPPED + "."))  # type: ignore[arg-type]
+            child = m._modules[CHECKPOINT_WRAPPED]
+            stack.append((child, prefix, owner, rel + CHECKPOINT_WRAPPED + ".", inside))  # type: ignore[arg-type]
             continue
         own = owner.param_order.get(m) if owner is not None else None
         for pname in own if own is not None else [n for n, p in m._parameters.items() if p is not None]:
             loc = where.get((id(m), pname))
             if loc is None and pname in m._parameters and m._parameters[pname] is None:
                 continue  # e.g. Linear(bias=False): registered as None, not in the state dict
+            value = m._parameters.get(pname)
+            if (
+                loc is None
+                and value is not None
+                and (inside or (owner and owner.ignored.has_param(m, pname)))
+            ):
+                if id(value) not in ignored:
+                    ignored[id(value)] = (m, pname, [])
+                    met.append(id(value))
+                    items.append(id(value))
+                ignored[id(value)][2].append(prefix + pname)
+                keys.append(prefix + pname)
+                continue
             if loc is None:
                 raise RuntimeError(
                     f"FullyShardedDataParallel: parameter {prefix + pname!r} is not managed by any wrapper "
@@ -200,6 +254,7 @@ def describe(
             if slot_key not in names:
                 names[slot_key] = []
                 order.append(loc)
+                met.append(loc)
             names[slot_key].append(prefix + pname)
             keys.append(prefix + pname)
         for bname, b in m._buffers.items():
@@ -209,11 +264,18 @@ def describe(
             buffers.append(BufferSlot(prefix + bname, m, bname, dtype))
             keys.append(prefix + bname)
         children = [
-            (c, prefix + n + ".", owner, rel + n + ".") for n, c in m._modules.items() if c is not None
+            (c, prefix + n + ".", owner, rel + n + ".", inside)
+            for n, c in m._modules.items()
+            if c is not None
         ]
         stack.extend(reversed(children))
 
     params = tuple(ParamSlot(names[(id(h), i)][0], h, i, tuple(names[(id(h), i)][1:])) for h, i in order)
+    ignored_slots = {k: IgnoredSlot(n[0], m, a, tuple(n[1:])) for k, (m, a, n) in ignored.items()}
+    positions = {
+        (ignored_slots[x].name if isinstance(x, int) else names[(id(x[0]), x[1])][0]): k
+        for k, x in enumerate(met)
+    }
     by_handle: dict[int, list[ParamSlot]] = {id(h): [] for u in found for h in u.handles}
     for slot in params:
         by_handle[id(slot.handle)].append(slot)
@@ -234,6 +296,9 @@ def describe(
         world_size,
         rank,
         device,
+        tuple(ignored_slots.values()),
+        tuple(ignored_slots[x] if isinstance(x, int) else x for x in items),
+        positions,
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.handle import FlatParamHandle
-from fsdp.state_layout import BufferSlot, Layout, write_shard_
+from fsdp.state_layout import BufferSlot, IgnoredSlot, Layout, write_shard_
 
 __all__ = [
     "LOCAL_STATE_KEY",
@@ -46,7 +46,8 @@ def _local_identity(layout: Layout) -> dict[str, Any]:
 
 
 def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
-    """This rank's flat shards (``"<wrapper path>.flat_param_<i>"``), the buffers, and an identity entry.
+    """This rank's flat shards (``"<wrapper path>.flat_param_<i>"``), the ignored parameters and the
+    buffers under their names, and an identity entry.
 
     Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
     model. With ``keep_vars`` the flat parameters and buffers themselves.
@@ -55,6 +56,8 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     for unit in layout.units:
         for i, h in enumerate(unit.handles):
             out[_join(unit.path, f"flat_param_{i}")] = h.flat_param if keep_vars else h.flat_param.detach()
+    for s in layout.ignored:  # unmanaged: this rank's parameter under its name
+        out[s.name] = s.param if keep_vars else s.param.detach()
     for b in layout.buffers:
         out[b.name] = b.tensor if keep_vars else b.tensor.detach()
     out[LOCAL_STATE_KEY] = _local_identity(layout)
@@ -93,11 +96,13 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
             "fsdp.load_checkpoint, which loads into any wrap plan"
         )
     expected: dict[str, tuple[int, ...]] = {}
-    targets: dict[str, FlatParamHandle | BufferSlot] = {}
+    targets: dict[str, FlatParamHandle | BufferSlot | IgnoredSlot] = {}
     for unit in layout.units:
         for i, h in enumerate(unit.handles):
             key = _join(unit.path, f"flat_param_{i}")
             expected[key], targets[key] = (h.spec.chunk,), h
+    for s in layout.ignored:
+        expected[s.name], targets[s.name] = s.shape, s
     for b in layout.buffers:
         expected[b.name], targets[b.name] = tuple(b.tensor.shape), b
     missing = [k for k in expected if k not in state]
@@ -121,7 +126,7 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
             write_shard_(target, [(0, target.spec.chunk, value)])
         else:
             with torch.no_grad():
-                target.tensor.copy_(value)
+                (target.param if isinstance(target, IgnoredSlot) else target.tensor).copy_(value)
     return _IncompatibleKeys(missing, unexpected)
 
 
@@ -160,6 +165,7 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
         **_local_identity(layout),
         "param_metadata": units,
         "buffer_names": [b.name for b in layout.buffers],
+        "ignored_param_names": [s.name for s in layout.ignored],
         "buffer_dtypes": {b.name: str(b.dtype).removeprefix("torch.") for b in layout.buffers},
         "state_dict_keys": list(layout.keys),
     }
@@ -175,7 +181,7 @@ def consolidate_shard_weights(
 
     ``shard_weights[i]`` / ``shard_metadata[i]`` are rank i's :func:`local_state_dict` /
     :func:`local_metadata_dict` (any order; with hybrid sharding one replica of each shard is
-    enough). Buffers come from the lowest rank given. ``strict=False`` skips flat parameters and
+    enough). Buffers and ignored parameters come from the lowest rank given. ``strict=False`` skips flat parameters and
     buffers missing from the weights instead of raising.
     """
     where = "consolidate_shard_weights"
@@ -231,8 +237,13 @@ def consolidate_shard_weights(
         for src, dst in unit.get("shared_param_info", []):
             if src in out:
                 out[dst] = out[src]
+    weights0 = shard_weights[order[0]]
+    for name in first.get("ignored_param_names", []):  # unmanaged parameters: the lowest rank's
+        if name in weights0:
+            out[name] = weights0[name].detach().clone()
+        elif strict:
+            raise KeyError(f"{where}: the shard dict of rank {ranks[order[0]]} has no parameter {name!r}")
     if with_module_buffers:
-        weights0 = shard_weights[order[0]]
         dtypes = first.get("buffer_dtypes", {})
         for name in first.get("buffer_names", []):
             if name not in weights0:

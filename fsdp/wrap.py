@@ -39,6 +39,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
+
 __all__ = [
     "AutoWrapPolicy",
     "auto_wrap",
@@ -49,6 +51,7 @@ __all__ = [
     "transformer_auto_wrap_policy",
     "wrap",
     "wrap_children",
+    "wrap_children_except",
 ]
 
 # policy(module=..., recurse=..., unwrapped_params=..., module_is_root=...) -> bool (see module docstring)
@@ -310,6 +313,20 @@ def wrap_children(
     walker.visit(module, module_is_root=True, wrap_root=False)
 
 
+def wrap_children_except(
+    module: nn.Module,
+    auto_wrap_policy: AutoWrapPolicy,
+    wrapper_cls: type,
+    make: Callable[[nn.Module], nn.Module],
+    ignored: IgnoredStates,
+) -> None:
+    """:func:`wrap_children` that leaves ``ignored`` alone: an ignored module is neither entered nor
+    wrapped, and ignored parameters do not count towards a module's size (torch FSDP1's rule for
+    ``ignored_modules``). ``make(m)`` builds the wrapper of a module the policy picks."""
+    walker = _Walker(_policy_caller(auto_wrap_policy), (wrapper_cls,), make, ignored)
+    walker.visit(module, module_is_root=True, wrap_root=False)
+
+
 _PolicyCall = Callable[[nn.Module, bool, int, bool], bool]  # (module, recurse, unwrapped, is_root)
 
 
@@ -342,18 +359,23 @@ class _Walker:
     policy: _PolicyCall
     wrapper_types: tuple[type, ...]  # instances of these are already wrapped: never entered
     make: Callable[[nn.Module], nn.Module]  # builds the wrapper of a module the policy picked
+    ignored: IgnoredStates  # never entered nor wrapped, not counted (the constructor's ignored_modules)
 
     def __init__(
-        self, policy: _PolicyCall, wrapper_types: tuple[type, ...], make: Callable[[nn.Module], nn.Module]
+        self,
+        policy: _PolicyCall,
+        wrapper_types: tuple[type, ...],
+        make: Callable[[nn.Module], nn.Module],
+        ignored: IgnoredStates = NOTHING_IGNORED,
     ) -> None:
-        self.policy, self.wrapper_types, self.make = policy, wrapper_types, make
+        self.policy, self.wrapper_types, self.make, self.ignored = policy, wrapper_types, make, ignored
 
     def visit(self, module: nn.Module, module_is_root: bool, wrap_root: bool = True) -> tuple[nn.Module, int]:
         """Wrap what the policy picks under (and including, unless not ``wrap_root``) ``module``.
 
         Returns the module (or its wrapper) and how many parameter elements this call wrapped.
         """
-        if isinstance(module, self.wrapper_types):
+        if isinstance(module, self.wrapper_types) or self.ignored.has_module(module):
             return module, 0
         unwrapped = self.unwrapped_numel(module)
         if not self.policy(module, True, unwrapped, module_is_root):
@@ -369,7 +391,8 @@ class _Walker:
         return module, wrapped
 
     def unwrapped_numel(self, module: nn.Module) -> int:
-        """Elements of the distinct parameters under ``module`` that no existing wrapper owns."""
+        """Elements of the distinct parameters under ``module`` that no existing wrapper owns and
+        that are not ignored."""
         seen_params: set[int] = set()
         seen_modules: set[int] = set()
         total = 0
@@ -379,9 +402,13 @@ class _Walker:
             if id(m) in seen_modules:
                 continue
             seen_modules.add(id(m))
-            for p in m.parameters(recurse=False):
-                if id(p) not in seen_params:
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in seen_params and not self.ignored.has_param(m, name):
                     seen_params.add(id(p))
                     total += p.numel()
-            stack.extend(c for c in m.children() if not isinstance(c, self.wrapper_types))
+            stack.extend(
+                c
+                for c in m.children()
+                if not isinstance(c, self.wrapper_types) and not self.ignored.has_module(c)
+            )
         return total

@@ -73,6 +73,8 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
         "sync_module_states",
         "device_id",
         "use_orig_params",
+        "ignored_modules",
+        "ignored_states",
     ]
     for (name, default), (_, ref_default) in zip(ours, theirs):
         if name == "process_group_reduce_scatter":
