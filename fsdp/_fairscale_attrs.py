@@ -203,10 +203,10 @@ class FairscaleAttributes:
         }
         module: Any = self
         for name, p in nn.Module.named_parameters(module, prefix, recurse, remove_duplicate):
-            if plain:
-                yield plain_name(name), p
-            elif id(p) in unflat:
+            if id(p) in unflat:  # (also inside a rank0_only summon, on the ranks that show no full ones)
                 path = plain_name(name.rpartition(".")[0])
                 yield (f"{path}." if path else "") + unflat[id(p)], p
+            elif plain:
+                yield plain_name(name), p
             else:
                 yield name, p

@@ -189,7 +189,15 @@ class StateDictMethods:
         keep = not rank0_only or self.rank == 0
         with sd_impl.own_call("save"), self._full_params_shown():
             self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-            sd_impl.own_full_values(self.handles, self._buffer_dtypes, destination, prefix, device, keep)
+            sd_impl.own_full_values(
+                self._fsdp_wrapped_module,
+                self.handles,
+                self._buffer_dtypes,
+                destination,
+                prefix,
+                device,
+                keep,
+            )
         if outermost:  # the options apply to every entry of this tree, buffers too
             mine = [k for k in destination if k not in written_before]
             for key in mine:

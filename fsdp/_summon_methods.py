@@ -29,6 +29,7 @@ class SummonMethods:
     fsdp_config: FSDPConfig
     _module_param_order: dict[nn.Module, list[str]]
     _parameters: dict[str, Any]
+    _summon_rank0_only = False  # inside a summon_full_params(rank0_only=True)
 
     @property
     def compute_device(self) -> torch.device:
@@ -105,6 +106,7 @@ class SummonMethods:
         try:
             for w in wrappers:
                 w.training_state = TrainingState.SUMMON_FULL_PARAMS
+                w._summon_rank0_only = rank0_only
                 entered.append(w)
                 w._show_full_params(show, with_grads)
             yield
@@ -112,6 +114,7 @@ class SummonMethods:
             for w in reversed(entered):
                 w._hide_full_params(write_back=not volatile)
                 w.training_state = TrainingState.IDLE
+                w._summon_rank0_only = False
             with torch.no_grad():
                 for h, saved in snapshots:
                     h.sharded_data().copy_(saved)
@@ -121,6 +124,12 @@ class SummonMethods:
         """This wrapper's full parameters, shown for a read: as the user's summon left them, or
         gathered for the duration (and discarded after)."""
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            if self._summon_rank0_only:  # (every rank raises: none gathers)
+                raise RuntimeError(
+                    "FullyShardedDataParallel: state_dict() inside summon_full_params(rank0_only=True) is not "
+                    "supported: the other ranks hold no full parameters. Call it outside the context; "
+                    "FullStateDictConfig(rank0_only=True) gives rank 0 alone the values"
+                )
             yield
             return
         self.assert_state(TrainingState.IDLE)

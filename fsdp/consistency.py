@@ -25,7 +25,6 @@ __all__ = [
     "fingerprint",
     "is_activation_wrapper",
     "plain_name",
-    "state_name",
     "wrapper_path",
 ]
 
@@ -37,13 +36,6 @@ CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 def plain_name(name: str) -> str:
     """A name inside the wrapper tree as it is in the unwrapped module."""
     return name.replace(WRAPPED + ".", "").replace("." + WRAPPED, "").replace(WRAPPED, "")
-
-
-def state_name(name: str) -> str:
-    """A name as the unwrapped model's ``state_dict()`` keys have it: without this library's wrappers,
-    nor torch's activation checkpoint wrappers (whose state-dict hooks drop their level, as torch
-    FSDP's names do)."""
-    return ".".join(part for part in plain_name(name).split(".") if part != CHECKPOINT_WRAPPED)
 
 
 def is_activation_wrapper(module: nn.Module) -> bool:

@@ -178,7 +178,8 @@ class FlatParamHandle:
     _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     _placeholders_set: bool  # the modules' attributes are the stand-ins now
-    _full_grad: tuple[torch.Tensor | None, torch.Tensor | None] | None  # summon(with_grads): (full, shard)
+    # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
+    _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
     reduced_this_backward: bool
 
     def __init__(
@@ -498,46 +499,48 @@ class FlatParamHandle:
         assert self._full_grad is None, "gradients gathered twice"
         shard_grad = self.flat_param.grad if self.requires_grad else None
         if not self.requires_grad:
-            self._full_grad = (None, None)
+            self._full_grad = (None, None, [])
             return
         whole = self.spec.world_size == 1  # (NO_SHARD's group is every rank: its shard is the whole)
         present = torch.tensor([int(shard_grad is not None)], device=self.compute_device)
         if not whole:
             all_reduce(present, self.comm.process_group, dist.ReduceOp.MAX, self.stats).wait()
         if not present.item():
-            self._full_grad = (None, None)
+            self._full_grad = (None, None, [])
             return
         source = self._shard.new_zeros(self._shard.shape) if shard_grad is None else shard_grad
         full = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
-        self.memory.add(full.untyped_storage().size())
         if whole:
             full.copy_(source)
         else:
             all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
-        self._full_grad = (full, shard_grad)
+        self.memory.add(full.untyped_storage().size())
+        self._full_grad = (full, shard_grad, [])
 
     def show_grad(self) -> None:
         """Set each shown original parameter's ``.grad`` to its view of the gathered gradient."""
         assert self._full_grad is not None and self.state is MemoryState.UNSHARDED
-        full = self._full_grad[0]
+        full, shard_grad, _ = self._full_grad
         if full is None:
             return
-        for info, module, view in zip(self.meta.params, self.modules, unflatten_views(full, self.meta)):
+        views = unflatten_views(full, self.meta)
+        for info, module, view in zip(self.meta.params, self.modules, views):
             getattr(module, info.param_name).grad = view
+        self._full_grad = (full, shard_grad, views)
 
     def release_grad(self, write_back: bool) -> None:
         """Drop the full gradient; with ``write_back``, this rank's chunk of the gradients the
         parameters show now (changed in place, replaced or set to None) becomes the shard gradient."""
         if self._full_grad is None:
             return
-        full, shard_grad = self._full_grad
+        full, shard_grad, views = self._full_grad
         self._full_grad = None
         if write_back and self.state is MemoryState.UNSHARDED:
             shown = [getattr(m, info.param_name).grad for info, m in zip(self.meta.params, self.modules)]
-            views = [] if full is None else unflatten_views(full, self.meta)
             if all(g is None for g in shown):
                 self.flat_param.grad = None
-            elif full is None or any(g is not v for g, v in zip(shown, views)):
+            elif full is None or any(g is not v for g, v in zip(shown, views, strict=True)):
+                # (a gradient replaced or set to None: the chunk is built again from what is shown)
                 now = torch.zeros(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
                 for g, view in zip(shown, unflatten_views(now, self.meta)):
                     if g is not None:

@@ -112,8 +112,9 @@ class Scheduler:
     # whose compute is far in the future. With the limiter on, a gather first waits until the GPU
     # has reached the second-to-last free of a gathered unit, so at most two units' gathers run
     # ahead of compute. Only units gathered across ranks record frees: at world size 1 (or
-    # NO_SHARD) the "unshard" is a cast or copy on the compute stream whose memory the caching
-    # allocator reuses in stream order, and a host wait there would only stall the host. On the CPU
+    # NO_SHARD) the "unshard" is a cast or copy ordered after the compute stream's earlier work (on
+    # it, or on the offload side stream, which waits for it first), so the caching allocator's
+    # stream-ordered reuse bounds its memory, and a host wait there would only stall the host. On the CPU
     # no events are recorded: compute and the host are the same.
     def throttle(self) -> None:
         """Before a gather: with the limiter on, wait until the compute before the second-to-last free

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.api import TrainingState
-from fsdp.consistency import CHECKPOINT_WRAPPED, state_name
+from fsdp.consistency import CHECKPOINT_WRAPPED, WRAPPED, is_activation_wrapper, plain_name
 
 # The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
 # __all__), since fully_sharded.py reaches UnitSpec and describe through this module.
@@ -93,6 +93,7 @@ __all__ = [
     "load_sharded_state_dict",
     "local_metadata_dict",
     "local_state_dict",
+    "module_names",
     "own_call",
     "own_call_running",
     "own_full_values",
@@ -300,7 +301,33 @@ def positional_args(
     return given[0], str(given[1]), bool(given[2])
 
 
+def module_names(root: nn.Module) -> list[tuple[str, str, str]]:
+    """``(name, state name, load name)`` of every module under ``root`` (shared ones under each name).
+
+    The state name is the unwrapped model's: without this library's wrapper levels nor those of
+    torch's activation checkpoint / offload wrappers, whose state-dict hooks drop their level. The
+    load name keeps this library's levels but not those: the wrappers' load pre-hooks add theirs
+    back. A plain child that happens to be called ``_checkpoint_wrapped_module`` keeps its name."""
+    out: list[tuple[str, str, str]] = []
+    stack: list[tuple[nn.Module, str, str, str]] = [(root, "", "", "")]
+    while stack:
+        m, name, state, load = stack.pop()
+        out.append((name, state, load))
+        hidden = CHECKPOINT_WRAPPED if is_activation_wrapper(m) else None
+        for n, c in reversed(m._modules.items()):
+            if c is None:
+                continue
+            child = f"{name}.{n}" if name else n
+            if n == hidden:
+                stack.append((c, child, state, load))
+                continue
+            child_state = state if n == WRAPPED else (f"{state}.{n}" if state else n)
+            stack.append((c, child, child_state, f"{load}.{n}" if load else n))
+    return out
+
+
 def own_full_values(
+    wrapped: nn.Module,
     handles: Sequence[Any],
     buffer_dtypes: Mapping[str, torch.dtype],
     destination: dict[str, Any],
@@ -319,19 +346,33 @@ def own_full_values(
         else:
             destination[key] = value
 
+    # the keys as the state dict has them: torch's activation checkpoint wrappers inside the unit
+    # dropped their level (their state-dict hooks ran during the walk)
+    renamed: dict[str, str] | None = None
+
+    def key_of(name: str) -> str:
+        nonlocal renamed
+        if CHECKPOINT_WRAPPED not in name:
+            return prefix + name
+        if renamed is None:
+            renamed = {real: state for real, state, _ in module_names(wrapped)}
+        module_name, _, leaf = name.rpartition(".")
+        mapped = renamed.get(module_name, module_name)
+        return prefix + (f"{mapped}.{leaf}" if mapped else leaf)
+
     for h in handles:
         clones: dict[int, torch.Tensor | None] = {}
         for i, info in enumerate(h.meta.params):
-            key = prefix + info.fqn
+            key = key_of(info.fqn)
             if key in destination:
                 clones[i] = destination[key].detach().to(device, copy=True) if keep else None
                 put(key, clones[i])
         for sinfo in h.meta.shared:
-            key = prefix + sinfo.fqn
+            key = key_of(sinfo.fqn)
             if key in destination:
                 put(key, clones.get(sinfo.primary))
     for name, dtype in buffer_dtypes.items():
-        key = prefix + name
+        key = key_of(name)
         value = destination.get(key)
         if isinstance(value, torch.Tensor) and value.dtype != dtype:
             destination[key] = value.to(dtype)
@@ -457,12 +498,16 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
 def _load_renamed(
     root: Any, state_dict: Mapping[str, Any], strict: bool, errors_out: list[str] | None, prefix: str
 ) -> NamedTuple:
-    # (keys inside torch's activation checkpoint wrappers go in without their level: the wrappers'
-    # load pre-hooks put it back)
-    to_internal = {
-        state_name(name): ".".join(part for part in name.split(".") if part != CHECKPOINT_WRAPPED)
-        for name, _ in root.named_modules(remove_duplicate=False)
-    }
+    names = module_names(root)
+    to_internal = {state: load for _, state, load in names}
+    to_state = {name: state for name, state, _ in names}
+
+    def state_key(key: str) -> str:  # an internal key as torch reports it (levels and all)
+        module_name, _, leaf = key.rpartition(".")
+        mapped = to_state.get(module_name)
+        if mapped is None:
+            return plain_name(key)
+        return f"{mapped}.{leaf}" if mapped else leaf
 
     def internal(key: str) -> str:
         module_name, _, leaf = key.rpartition(".")
@@ -484,12 +529,12 @@ def _load_renamed(
         text = str(e)
         if "Error(s) in loading state_dict" not in text:
             raise
-        errors = [state_name(line) for line in text.split("\n\t")[1:]]
+        errors = [plain_name(line) for line in text.split("\n\t")[1:]]
         result = keys[-1] if keys else _IncompatibleKeys([], [])
     finally:
         capture.remove()
-    missing = [state_name(k) for k in result.missing_keys]
-    unexpected = [state_name(k) for k in result.unexpected_keys]
+    missing = [state_key(k) for k in result.missing_keys]
+    unexpected = [state_key(k) for k in result.unexpected_keys]
     if strict:
         hint = _prefix_hint(missing, unexpected)
         if hint:

@@ -577,3 +577,68 @@ def test_torchs_apply_activation_checkpointing_recomputes_and_keeps_plain_names(
         assert r["keys"]["SHARDED_STATE_DICT"] == r["torch_keys"]["SHARDED_STATE_DICT"]
         assert sorted(r["keys"]["optim"]) == sorted(n for n, _ in Net().named_parameters())
         assert r["loaded"] == {"FULL_STATE_DICT": 0.0, "SHARDED_STATE_DICT": 0.0}
+
+
+def _checkpoint_wrapper_placement(case: str) -> dict[str, Any]:
+    """torch's checkpoint wrapper inside a unit (not at its boundary), around the root's module, and
+    a plain child that only happens to be called like its attribute."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2))
+    model_in = copy.deepcopy(ref)
+    if case == "inside":
+        model_in[1] = checkpoint_wrapper(model_in[1])
+        model = FSDP(model_in, mixed_precision=True)  # (buffers in fp16 inside, fp32 in the state dict)
+    elif case == "root":
+        model = FSDP(checkpoint_wrapper(model_in))
+    else:
+        holder = nn.Module()
+        holder._checkpoint_wrapped_module = model_in[1]  # a plain child of that name keeps its level
+        model_in[1] = holder
+        ref = copy.deepcopy(model_in)
+        model = FSDP(model_in)
+    state = model.state_dict()
+    plain = ref.state_dict()
+    result = {
+        "keys": list(state) == list(plain),
+        "freed": [k for k, v in state.items() if v.untyped_storage().size() == 0],
+        "diff": max((state[k].float() - v.float()).abs().max().item() for k, v in plain.items()),
+        "dtypes": {k: v.dtype for k, v in state.items()} == {k: v.dtype for k, v in plain.items()},
+    }
+    with torch.no_grad():
+        for v in state.values():
+            v.add_(1) if v.is_floating_point() else None
+    model.load_state_dict(state)
+    back = model.state_dict()
+    result["loaded"] = max((back[k].float() - v.float()).abs().max().item() for k, v in state.items())
+    return result
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("case", ["inside", "root", "literal_name"])
+def test_full_state_dict_around_a_checkpoint_wrapper_anywhere(pool: RankPool, case: str) -> None:
+    for r in pool.run(_checkpoint_wrapper_placement, case):
+        assert r["keys"] and r["dtypes"], r
+        assert r["freed"] == [], "every value is a copy, not a view of a freed full parameter"
+        assert r["diff"] == 0.0 and r["loaded"] == 0.0, r
+
+
+def _rank0_only_misuse() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), use_orig_params=True)
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
+        names = sorted(n for n, _ in model.named_parameters())
+        try:
+            model.state_dict()
+            error = ""
+        except RuntimeError as e:
+            error = str(e)
+    return {"names": names, "error": error}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_inside_a_rank0_only_summon_names_hold_and_state_dict_is_refused_everywhere(pool: RankPool) -> None:
+    for r in pool.run(_rank0_only_misuse):
+        assert r["names"] == ["0.bias", "0.weight", "1.bias", "1.weight"], "original names on every rank"
+        assert "inside summon_full_params(rank0_only=True)" in r["error"], "every rank refuses (none gathers)"
