@@ -110,36 +110,36 @@ def _flat_states(optim: Any) -> dict[int, Mapping[str, Any]]:
     return {id(params[int(i)]): v for i, v in optim.state_dict()["state"].items()}
 
 
-def _flat_state_kinds(handle: FlatParamHandle, state: Mapping[str, Any]) -> dict[str, str]:
-    """``"shard"`` (per element, shaped like the local shard), ``"scalar"`` (0-dim tensor) or ``"object"``."""
+def _state_kinds(state: Mapping[str, Any], shape: tuple[int, ...], per_element: str) -> dict[str, str]:
+    """Each entry's kind: ``per_element`` (shaped ``shape``), ``"scalar"`` (0-dim tensor),
+    ``"object"``, or ``"shape (...)"`` for a tensor of another shape."""
     kinds = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             kinds[key] = "object"
         elif value.dim() == 0:
             kinds[key] = "scalar"
-        elif tuple(value.shape) == (handle.spec.chunk,):
-            kinds[key] = "shard"
         else:
+            kinds[key] = per_element if tuple(value.shape) == shape else f"shape {tuple(value.shape)}"
+    return kinds
+
+
+def _flat_state_kinds(handle: FlatParamHandle, state: Mapping[str, Any]) -> dict[str, str]:
+    """``"shard"`` (per element, shaped like the local shard), ``"scalar"`` (0-dim tensor) or ``"object"``."""
+    kinds = _state_kinds(state, (handle.spec.chunk,), "shard")
+    for key, kind in kinds.items():
+        if kind.startswith("shape "):
             raise NotImplementedError(
-                f"optimizer state {key!r} has shape {tuple(value.shape)}; only per-element state shaped like the "
-                f"flat parameter ({handle.spec.chunk},) and scalar state can be converted (optimizers with "
-                "factored state such as Adafactor are not supported)"
+                f"optimizer state {key!r} has {kind}; only per-element state shaped like the flat parameter "
+                f"({handle.spec.chunk},) and scalar state can be converted (optimizers with factored state such as "
+                "Adafactor are not supported)"
             )
     return kinds
 
 
 def _plain_state_kinds(slot: IgnoredSlot, state: Mapping[str, Any]) -> dict[str, str]:
     """An ignored parameter's state: ``"full"`` (shaped like it), ``"scalar"`` or ``"object"``."""
-    kinds = {}
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            kinds[key] = "object"
-        elif value.dim() == 0:
-            kinds[key] = "scalar"
-        else:
-            kinds[key] = "full" if tuple(value.shape) == slot.shape else f"shape {tuple(value.shape)}"
-    return kinds
+    return _state_kinds(state, tuple(slot.shape), "full")
 
 
 def _agreed_structure(layout: Layout, optim: torch.optim.Optimizer, what: str) -> list[list[Item]]:

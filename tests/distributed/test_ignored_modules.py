@@ -18,20 +18,11 @@ import fsdp
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import lambda_auto_wrap_policy
 from fsdp.sharding import padded_numel
+from tests.distributed.test_torch_fsdp_api import Block
 from tests.parity import handles_with_ref_names, reference_flat, shard_of
 from tests.rank_pool import RankPool
 
 PER_RANK = 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.norm(torch.tanh(self.fc(x)))
 
 
 class Head(nn.Module):
