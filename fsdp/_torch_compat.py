@@ -24,7 +24,7 @@ from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.mixed_precision import cast_inputs
 from fsdp.nest import visit_tensors
 from fsdp.topology import checked_device
-from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children_except
+from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children
 
 __all__ = ["TorchFSDPMethods", "resolve_ignored", "torch_fsdp_options", "wrap_children_with_policy"]
 
@@ -253,7 +253,7 @@ def wrap_children_with_policy(
                 sorted({type(m).__name__ for m in full_precision}),
             )
             fp32_options = {**options, "mixed_precision": None}
-            wrap_children_except(
+            wrap_children(
                 module,
                 transformer_auto_wrap_policy(set(classes)),
                 wrapper_cls,
@@ -262,7 +262,7 @@ def wrap_children_with_policy(
             )
             for m in full_precision:
                 _run_in_fp32(m)
-    wrap_children_except(
+    wrap_children(
         module, policy, wrapper_cls, lambda m: wrapper_cls(m, **_options_inside(options, ignored, m)), ignored
     )
 

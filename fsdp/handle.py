@@ -497,10 +497,10 @@ class FlatParamHandle:
         Collective: a flag first, so that no gradient anywhere shows none, a rank without one adds
         zeros. ``show_grad`` then hangs its views on the shown parameters; ``release_grad`` ends it."""
         assert self._full_grad is None, "gradients gathered twice"
-        shard_grad = self.flat_param.grad if self.requires_grad else None
         if not self.requires_grad:
             self._full_grad = (None, None, [])
             return
+        shard_grad = self.flat_param.grad
         whole = self.spec.world_size == 1  # (NO_SHARD's group is every rank: its shard is the whole)
         present = torch.tensor([int(shard_grad is not None)], device=self.compute_device)
         if not whole:

@@ -51,7 +51,6 @@ __all__ = [
     "transformer_auto_wrap_policy",
     "wrap",
     "wrap_children",
-    "wrap_children_except",
 ]
 
 # policy(module=..., recurse=..., unwrapped_params=..., module_is_root=...) -> bool (see module docstring)
@@ -300,29 +299,21 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: AutoWrapPolicy | None = None,
 
 
 def wrap_children(
-    module: nn.Module, auto_wrap_policy: AutoWrapPolicy, wrapper_cls: type, **kwargs: Any
-) -> None:
-    """Wrap the submodules of ``module`` that the policy picks with ``wrapper_cls(m, **kwargs)``, in
-    place, innermost first; never ``module`` itself. Needs no :func:`enable_wrap` context.
-
-    This is torch FSDP's constructor argument ``auto_wrap_policy``: the constructor calls it before
-    wrapping ``module`` itself. Instances of ``wrapper_cls`` are left as they are. A module's
-    ``wrapper_config`` is not read here (it belongs to :func:`wrap`).
-    """
-    walker = _Walker(_policy_caller(auto_wrap_policy), (wrapper_cls,), lambda m: wrapper_cls(m, **kwargs))
-    walker.visit(module, module_is_root=True, wrap_root=False)
-
-
-def wrap_children_except(
     module: nn.Module,
     auto_wrap_policy: AutoWrapPolicy,
     wrapper_cls: type,
     make: Callable[[nn.Module], nn.Module],
-    ignored: IgnoredStates,
+    ignored: IgnoredStates = NOTHING_IGNORED,
 ) -> None:
-    """:func:`wrap_children` that leaves ``ignored`` alone: an ignored module is neither entered nor
-    wrapped, and ignored parameters do not count towards a module's size (torch FSDP1's rule for
-    ``ignored_modules``). ``make(m)`` builds the wrapper of a module the policy picks."""
+    """Wrap the submodules of ``module`` that the policy picks with ``make(m)`` (a ``wrapper_cls``),
+    in place, innermost first; never ``module`` itself. Needs no :func:`enable_wrap` context.
+
+    This is torch FSDP's constructor argument ``auto_wrap_policy``: the constructor calls it before
+    wrapping ``module`` itself. Instances of ``wrapper_cls`` are left as they are. A module's
+    ``wrapper_config`` is not read here (it belongs to :func:`wrap`). ``ignored`` is left alone: an
+    ignored module is neither entered nor wrapped, and ignored parameters do not count towards a
+    module's size (torch FSDP1's rule for ``ignored_modules``).
+    """
     walker = _Walker(_policy_caller(auto_wrap_policy), (wrapper_cls,), make, ignored)
     walker.visit(module, module_is_root=True, wrap_root=False)
 
