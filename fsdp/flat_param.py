@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fsdp._device import SideCopies
 from fsdp.deferred_init import materialize_if_meta_
 
 __all__ = [
@@ -459,7 +460,12 @@ _HOOK: list[Any] = []
 _UNSYNCED: dict[int, frozenset[int]] = {}
 
 
-def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # A step writes host shards in place: under CPU offload on CUDA, wait for the side-stream copies
+    # that may still read them (a forward with grad enabled whose graph was dropped without a
+    # backward leaves its gathers' copies queued). Nothing to wait for after a backward, which
+    # drained the side stream; no instance exists off CUDA.
+    SideCopies.synchronize_all()
     if _UNSYNCED:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if any(held & flat for flat in _UNSYNCED.values()):
@@ -488,7 +494,7 @@ def _refuse_flattened(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
 def _ensure_hook() -> None:
     """Register the process-wide optimizer step pre-hook once."""
     if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_flattened))
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
 def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:

@@ -114,3 +114,32 @@ def test_side_copies_change_nothing(pool: RankPool) -> None:
         assert r["deferred"] == 3 * 4, r
         assert r["collected_early"] == 0, r
         assert not any(r["left"]), r
+
+
+def _step_after_forward_without_backward() -> dict[str, Any]:
+    model = _model()
+    copies = _CountingCopies()
+    synced = []
+    copies.synchronize = lambda: synced.append(len(synced))  # type: ignore[method-assign]
+    for w in model.modules():
+        if isinstance(w, FSDP):
+            for h in w.handles:
+                h.copies = copies
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    key = torch.device("cuda", 99)  # an instance as CUDA offload registers one; no device is used
+    SideCopies._instances[key] = copies
+    try:
+        model(torch.randn(4, 8)).float().sum()  # grad enabled; the graph is dropped, no backward
+        before_step = len(synced)
+        opt.step()  # writes the host shards the forward's copies read
+        return {"before_step": before_step, "after_step": len(synced), "to_device": copies.to_device_calls}
+    finally:
+        del SideCopies._instances[key]
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_step_waits_for_copies_of_a_forward_without_backward(pool: RankPool) -> None:
+    (r,) = pool.run(_step_after_forward_without_backward)
+    assert r["to_device"] == 3, r  # the forward's three gathers read the host shards
+    assert r["before_step"] == 0, r  # a forward with grad enabled does not wait for its copies ...
+    assert r["after_step"] == 1, r  # ... the optimizer step does, before it writes the shards
