@@ -26,7 +26,13 @@ from fsdp.nest import visit_tensors
 from fsdp.topology import checked_device
 from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children
 
-__all__ = ["TorchFSDPMethods", "resolve_ignored", "torch_fsdp_options", "wrap_children_with_policy"]
+__all__ = [
+    "TorchFSDPMethods",
+    "own_precision_modules",
+    "resolve_ignored",
+    "torch_fsdp_options",
+    "wrap_children_with_policy",
+]
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +229,46 @@ def _options_inside(options: Mapping[str, Any], ignored: IgnoredStates, module: 
     return {**options, "ignored_modules": list(part.roots) or None, "ignored_states": None}
 
 
+_PRECISION_OPTIONS = ("mixed_precision", "compute_dtype", "buffer_dtype", "fp32_reduce_scatter")
+
+
+def _policy_targets(
+    module: nn.Module, policy: Any, ignored: IgnoredStates
+) -> dict[nn.Module, dict[str, Any]] | None:
+    """A torch policy object without ``__call__`` (``CustomPolicy``, a user's ``_Policy``): the
+    modules under ``module`` it picks, each with the options it overrides, through torch's own
+    ``_run_policy``. ``None`` for a callable policy. The root is left out: the constructor wraps it."""
+    run = getattr(policy, "_run_policy", None)
+    if callable(policy) or not callable(run):
+        return None
+    inside_ignored = {m for r in ignored.roots for m in r.modules()}
+    targets = run(module, inside_ignored, {})
+    return {
+        m: {k: v for k, v in kw.items() if k != "auto_wrap_policy"}
+        for m, kw in targets.items()
+        if m is not module
+    }
+
+
+def own_precision_modules(
+    module: nn.Module, policy: Any, mixed_precision: Any, ignored: IgnoredStates
+) -> list[nn.Module]:
+    """The modules under ``module`` that ``auto_wrap_policy`` wraps with a precision of their own:
+    those of a ``MixedPrecision``'s ``_module_classes_to_ignore`` (batch norm), in full precision, and
+    those a ``CustomPolicy`` gives precision options. Their wrappers check their parameters."""
+    targets = _policy_targets(module, policy, ignored) or {}
+    own = [m for m, kw in targets.items() if any(k in kw for k in _PRECISION_OPTIONS)]
+    mp = from_torch_fsdp(mixed_precision)
+    if isinstance(mp, MixedPrecision) and mp._module_classes_to_ignore:
+        classes = tuple(set(mp._module_classes_to_ignore))
+        own += [
+            m
+            for m in module.modules()
+            if m is not module and isinstance(m, classes) and not ignored.has_module(m)
+        ]
+    return own
+
+
 def wrap_children_with_policy(
     module: nn.Module,
     policy: AutoWrapPolicy,
@@ -231,39 +277,57 @@ def wrap_children_with_policy(
     ignored: IgnoredStates = NOTHING_IGNORED,
 ) -> None:
     """The constructor's ``auto_wrap_policy``: wrap what ``policy`` picks under ``module`` with the
-    constructor's other ``options`` (torch's rule). Under a ``MixedPrecision``, the modules of its
-    ``_module_classes_to_ignore`` (batch norm) are wrapped first, in full precision, and run in fp32
-    between casts of their inputs and outputs, as torch FSDP does. Nothing inside ``ignored`` is
-    wrapped; each wrapper built ignores the part of ``ignored`` inside it."""
-    if not callable(policy):  # before anything is wrapped
-        raise TypeError(f"FullyShardedDataParallel: auto_wrap_policy must be callable, got {policy!r}")
+    constructor's other ``options`` (torch's rule); torch's ``CustomPolicy`` may override options per
+    module. Under a ``MixedPrecision``, the modules of its ``_module_classes_to_ignore`` (batch norm)
+    are wrapped first, in full precision, and run in fp32 between casts of their inputs and outputs,
+    as torch FSDP does. Nothing inside ``ignored`` is wrapped; each wrapper built ignores the part of
+    ``ignored`` inside it."""
+    targets = _policy_targets(module, policy, ignored)
+    if targets is None and not callable(policy):  # before anything is wrapped
+        raise TypeError(
+            f"FullyShardedDataParallel: auto_wrap_policy must be callable (or a torch policy object such as "
+            f"ModuleWrapPolicy or CustomPolicy), got {policy!r}"
+        )
     options = {k: v for k, v in options.items() if k != "auto_wrap_policy"}
     mp = from_torch_fsdp(options.get("mixed_precision"))
-    if isinstance(mp, MixedPrecision) and mp._module_classes_to_ignore:
+    full_precision = own_precision_modules(module, None, mp, ignored)
+    if isinstance(mp, MixedPrecision) and full_precision:
         classes = tuple(set(mp._module_classes_to_ignore))
-        full_precision = [
-            m
-            for m in module.modules()
-            if m is not module and isinstance(m, classes) and not ignored.has_module(m)
-        ]
-        if full_precision:
-            log.info(
-                "FullyShardedDataParallel: modules of %s get wrappers of their own in full precision "
-                "(MixedPrecision._module_classes_to_ignore)",
-                sorted({type(m).__name__ for m in full_precision}),
-            )
-            fp32_options = {**options, "mixed_precision": None}
-            wrap_children(
-                module,
-                transformer_auto_wrap_policy(set(classes)),
-                wrapper_cls,
-                lambda m: wrapper_cls(m, **_options_inside(fp32_options, ignored, m)),
-                ignored,
-            )
-            for m in full_precision:
-                _run_in_fp32(m)
+        log.info(
+            "FullyShardedDataParallel: modules of %s get wrappers of their own in full precision "
+            "(MixedPrecision._module_classes_to_ignore)",
+            sorted({type(m).__name__ for m in full_precision}),
+        )
+        fp32_options = {**options, "mixed_precision": None}
+        wrap_children(
+            module,
+            transformer_auto_wrap_policy(set(classes)),
+            wrapper_cls,
+            lambda m: wrapper_cls(m, **_options_inside(fp32_options, ignored, m)),
+            ignored,
+        )
+        for m in full_precision:
+            _run_in_fp32(m)
+    if targets is None:
+        wrap_children(
+            module,
+            policy,
+            wrapper_cls,
+            lambda m: wrapper_cls(m, **_options_inside(options, ignored, m)),
+            ignored,
+        )
+        return
+    picked = targets
+
+    def pick(module: nn.Module, recurse: bool, **_: Any) -> bool:
+        return recurse or module in picked
+
     wrap_children(
-        module, policy, wrapper_cls, lambda m: wrapper_cls(m, **_options_inside(options, ignored, m)), ignored
+        module,
+        pick,
+        wrapper_cls,
+        lambda m: wrapper_cls(m, **_options_inside({**options, **picked[m]}, ignored, m)),
+        ignored,
     )
 
 

@@ -38,6 +38,7 @@ from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
     TorchFSDPMethods,
+    own_precision_modules,
     resolve_ignored,
     torch_fsdp_options,
     wrap_children_with_policy,
@@ -276,10 +277,6 @@ class FullyShardedDataParallel(
         is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         # See [Note: ignored modules]
         ignored = resolve_ignored(module, ignored_modules, ignored_states, is_wrapper)
-        if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
-            wrap_children_with_policy(
-                module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
-            )  # (not a subclass's)
         offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
         params_to_cpu = offload.params_to_cpu
         compute_device = checked_device(compute_device, "compute_device")
@@ -298,6 +295,13 @@ class FullyShardedDataParallel(
 
         target = materialize_device(compute_device, params_to_cpu, groups.dp)
         collected, _, inner = collect_owned(module, is_wrapper, ignored)
+        if auto_wrap_policy is not None:  # (the wrappers of these check their parameters themselves)
+            own = {
+                id(p)
+                for m in own_precision_modules(module, auto_wrap_policy, mixed_precision, ignored)
+                for p in m.parameters()
+            }
+            collected = [(fqn, p) for fqn, p in collected if id(p) not in own]
         for path, w in inner:
             if w._inside_another:
                 raise ValueError(
@@ -343,6 +347,13 @@ class FullyShardedDataParallel(
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
         )
+        if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
+            # Only now, once every option and every parameter's dtype passed the checks above (those of
+            # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
+            wrap_children_with_policy(
+                module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
+            )  # (not a subclass's)
+            _, _, inner = collect_owned(module, is_wrapper, ignored)
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True

@@ -161,6 +161,11 @@ def _constructor_policy(policy_name: str) -> tuple[list[str], set[str], dict[str
             torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={Block}
         ),
         "torch_module_policy": torch_wrap.ModuleWrapPolicy({Block}),
+        "torch_custom": torch_wrap.CustomPolicy(lambda m: isinstance(m, Block)),
+        # a CustomPolicy's dict overrides the constructor's options for the module it picks
+        "torch_custom_overrides": torch_wrap.CustomPolicy(
+            lambda m: {"reshard_after_forward": True} if isinstance(m, Block) else False
+        ),
         # passes the root's 395 elements and each fc's 72: those are wrapped; the root by the constructor only
         "torch_size": functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=70),
     }[policy_name]
@@ -173,7 +178,7 @@ def _constructor_policy(policy_name: str) -> tuple[list[str], set[str], dict[str
     }
     return (
         _wrapped_paths(model),
-        {str(v) for v in options.values()},
+        {path: str(v) for path, v in options.items()},
         compare_training(ref, model, _vec, _mean_sq, steps=3),
     )
 
@@ -185,13 +190,18 @@ def _constructor_policy(policy_name: str) -> tuple[list[str], set[str], dict[str
         ("ours", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
         ("torch_function", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
         ("torch_module_policy", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        ("torch_custom", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
+        ("torch_custom_overrides", ["<root>", "blocks.0", "blocks.1", "blocks.2"]),
         ("torch_size", ["<root>", "blocks.0.fc", "blocks.1.fc", "blocks.2.fc"]),
     ],
 )
 def test_the_constructor_takes_an_auto_wrap_policy(pool: RankPool, policy: str, expected: list[str]) -> None:
     for rank, (paths, reshard, diffs) in enumerate(pool.run(_constructor_policy, policy)):
         assert paths == expected, "the picked submodules are wrapped, the root once"
-        assert reshard == {"False"}, "every wrapper got the constructor's options"
+        if policy == "torch_custom_overrides":
+            assert reshard == {p: str(p != "<root>") for p in paths}, "the picked modules take the overrides"
+        else:
+            assert set(reshard.values()) == {"False"}, "every wrapper got the constructor's options"
         _check(diffs, rank)
 
 

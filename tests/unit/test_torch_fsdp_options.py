@@ -252,6 +252,57 @@ def test_a_policy_that_is_not_callable_leaves_the_model_unwrapped(single_rank_gr
     assert not any(isinstance(m, FSDP) for m in net.modules()), "the batch norm was not wrapped either"
 
 
+class _HalfHead(nn.Module):
+    """Two fp32 layers a policy wraps, and the root's own parameter in fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        self.head = nn.Parameter(torch.ones(2, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("where", ["root", "last child"])
+def test_a_failing_auto_wrap_call_leaves_the_model_as_it_was(single_rank_group: None, where: str) -> None:
+    """Every option and every parameter's dtype is checked before the policy wraps anything, so a
+    failing call does not leave the first children flattened into wrappers."""
+    net: nn.Module = _HalfHead()
+    if where == "last child":
+        net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2).half())
+    before = {name: (p, p.detach().clone()) for name, p in net.named_parameters()}
+    with pytest.raises(ValueError, match="mixed precision keeps fp32 master weights"):
+        FSDP(net, auto_wrap_policy=fsdp.transformer_auto_wrap_policy({nn.Linear}), mixed_precision=True)
+    assert not any(isinstance(m, FSDP) for m in net.modules())
+    after = dict(net.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (p, value) in before.items():
+        assert after[name] is p and torch.equal(p, value), name
+
+
+def test_full_precision_classes_keep_their_dtype_check_of_their_own(single_rank_group: None) -> None:
+    """The early check leaves out the modules ``_module_classes_to_ignore`` wraps without mixed
+    precision: their parameters need not be fp32, as before."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2).half())
+    mp = fsdp.MixedPrecision(param_dtype=BF16)
+    model = FSDP(net, auto_wrap_policy=fsdp.transformer_auto_wrap_policy({nn.Linear}), mixed_precision=mp)
+    assert isinstance(net[1], FSDP) and net[1].flat_param_0.dtype == torch.float16
+    assert isinstance(net[0], FSDP) and model.module is net
+
+
+def test_a_custom_policy_may_give_a_module_a_precision_of_its_own(single_rank_group: None) -> None:
+    """torch's ``CustomPolicy``: a dict overrides the constructor's options for that module, and
+    the early dtype check leaves its parameters to its own wrapper."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    def pick(m: nn.Module) -> bool | dict[str, Any]:
+        return {"mixed_precision": None} if isinstance(m, nn.BatchNorm1d) else isinstance(m, nn.Linear)
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2).half())
+    FSDP(net, auto_wrap_policy=CustomPolicy(pick), mixed_precision=fsdp.MixedPrecision(param_dtype=BF16))
+    assert isinstance(net[0], FSDP) and net[0].mixed_precision
+    assert isinstance(net[1], FSDP) and not net[1].mixed_precision
+    assert net[1].flat_param_0.dtype == torch.float16
+
+
 class _Seen(nn.Module):
     def __init__(self) -> None:
         super().__init__()
