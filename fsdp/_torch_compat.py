@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, FSDPConfig, MixedPrecision, StateDictType, from_torch_fsdp
-from fsdp.consistency import plain_name
+from fsdp.consistency import CHECKPOINT_WRAPPED, plain_name
 from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.mixed_precision import cast_inputs
 from fsdp.nest import visit_tensors
@@ -544,6 +544,85 @@ class TorchFSDPMethods:
         if load_directly:
             optim.load_state_dict(shard)
         return shard
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: Any,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Re-key a full optimizer state dict between parameter names (``OptimStateKeyType.PARAM_NAME``:
+        the form :meth:`full_optim_state_dict` returns) and parameter ids (``PARAM_ID``: positions in
+        ``optim``'s parameter groups, else in ``model.parameters()``: what a plain optimizer's
+        ``state_dict()`` holds). ``model`` is the unwrapped model (or one wrapped with
+        ``use_orig_params=True``). A dict already keyed so is returned as it is. Not collective."""
+        _refuse(optim_input=optim_input)
+        kind = getattr(optim_state_key_type, "name", optim_state_key_type)
+        if kind not in ("PARAM_NAME", "PARAM_ID"):
+            raise ValueError(
+                "FullyShardedDataParallel.rekey_optim_state_dict: optim_state_key_type must be "
+                f"OptimStateKeyType.PARAM_NAME or OptimStateKeyType.PARAM_ID, got {optim_state_key_type!r}"
+            )
+        if any(
+            isinstance(w, TorchFSDPMethods) and w.fsdp_config.sharding.flatten_parameters
+            for w in model.modules()
+        ):
+            raise ValueError(
+                "FullyShardedDataParallel.rekey_optim_state_dict: the model holds flattened parameters, whose ids "
+                "name no original parameter. Pass the unwrapped model (or one wrapped with use_orig_params=True); "
+                "to load a full optimizer state dict into the wrapped model use shard_full_optim_state_dict"
+            )
+        name_of: dict[int, str] = {}
+        for name, p in model.named_parameters():  # a tied parameter goes by its first name
+            name_of.setdefault(id(p), plain_name(name).replace(CHECKPOINT_WRAPPED + ".", ""))
+        params = (
+            [p for g in optim.param_groups for p in g["params"]]
+            if optim is not None
+            else list(model.parameters())
+        )
+        strangers = sum(id(p) not in name_of for p in params)
+        if strangers:
+            raise ValueError(
+                f"FullyShardedDataParallel.rekey_optim_state_dict: {strangers} of the optimizer's parameters are not "
+                "parameters of `model`; pass the model the optimizer was built over"
+            )
+        names = [name_of[id(p)] for p in params]
+        groups = optim_state_dict["param_groups"]
+        keys = [k for g in groups for k in g["params"]]
+        if kind == "PARAM_NAME":
+            if all(isinstance(k, str) for k in keys):
+                return optim_state_dict
+            table: Mapping[Any, Any] = dict(enumerate(names))
+        else:
+            if all(isinstance(k, int) for k in keys):
+                return optim_state_dict
+            table = {n: i for i, n in enumerate(names)}
+        unknown = [k for k in [*keys, *optim_state_dict["state"]] if k not in table]
+        if unknown:
+            raise ValueError(
+                f"FullyShardedDataParallel.rekey_optim_state_dict: keys {unknown[:4]} name no parameter of the model "
+                f"(it has {len(names)}, e.g. {names[:3]}); the state dict and the model must come from the same "
+                "architecture"
+            )
+        extras = {k: v for k, v in optim_state_dict.items() if k not in ("state", "param_groups")}
+        return {
+            **extras,
+            "state": {table[k]: v for k, v in optim_state_dict["state"].items()},
+            "param_groups": [{**g, "params": [table[k] for k in g["params"]]} for g in groups],
+        }
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """torch FSDP1's deprecated reader of its ``ShardedTensor`` optimizer state: not supported."""
+        raise NotImplementedError(
+            "FullyShardedDataParallel.flatten_sharded_optim_state_dict (deprecated in torch) is not supported. Load "
+            "a sharded optimizer state with FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd) under "
+            "StateDictType.SHARDED_STATE_DICT, or model.load_sharded_optim_state_dict(optim, osd)"
+        )
 
 
 def _refuse(**given: Any) -> None:

@@ -42,6 +42,15 @@ __all__ = [
 ]
 
 
+class OptimStateKeyType(enum.Enum):
+    """How :meth:`FullyShardedDataParallel.rekey_optim_state_dict` keys an optimizer state dict
+    (torch FSDP1's names): by parameter name (the full form), or by parameter id (a position in the
+    optimizer's parameter list, what a plain optimizer's ``state_dict()`` holds)."""
+
+    PARAM_NAME = enum.auto()
+    PARAM_ID = enum.auto()
+
+
 class TrainingState(enum.Enum):
     """Where a wrapper is in the training step; asserted at the entry of every hook.
 

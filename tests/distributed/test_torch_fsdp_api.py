@@ -296,6 +296,95 @@ def test_full_optim_state_dict_shards_and_scatters_back(pool: RankPool) -> None:
     assert pool.run(_full_then_scatter, "scatter") == [(0.0, True), (0.0, False)]
 
 
+def _rekeyed() -> dict[str, Any]:
+    """A full optimizer state dict re-keyed by id loads into a plain optimizer; a plain optimizer's
+    re-keyed by name loads into the wrapped one; torch's own rekey agrees on the plain model."""
+    ref, model, optim = _trained(0, auto=True)
+    full = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    by_id = FSDP.rekey_optim_state_dict(full, fsdp.OptimStateKeyType.PARAM_ID, ref)
+    plain = ref._test_optim.state_dict()
+    torch_by_name = torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+        plain, torch_fsdp.OptimStateKeyType.PARAM_NAME, ref
+    )
+    ours_by_name = FSDP.rekey_optim_state_dict(plain, torch_fsdp.OptimStateKeyType.PARAM_NAME, ref)
+    fresh = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    fresh.load_state_dict(by_id)
+    loaded = fresh.state_dict()["state"]
+    diff = max(
+        (plain["state"][i][k].float() - loaded[i][k].float()).abs().max().item()
+        for i in plain["state"]
+        for k in plain["state"][i]
+    )
+    wrapped_optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    wrapped_optim.load_state_dict(FSDP.shard_full_optim_state_dict(ours_by_name, model))
+    mine, back = optim.state_dict()["state"], wrapped_optim.state_dict()["state"]
+    diff_back = max(
+        (mine[i][k].float() - back[i][k].float()).abs().max().item() for i in mine for k in mine[i]
+    )
+    errors = []
+    for call in (
+        lambda: FSDP.rekey_optim_state_dict(full, fsdp.OptimStateKeyType.PARAM_ID, model),
+        lambda: FSDP.rekey_optim_state_dict(full, "PARAM_NUMBER", ref),
+        lambda: FSDP.rekey_optim_state_dict(
+            {**full, "state": {"nope": {}}}, fsdp.OptimStateKeyType.PARAM_ID, ref
+        ),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return {
+        "id_keys": sorted(by_id["state"]) == sorted(plain["state"])
+        and by_id["param_groups"] == plain["param_groups"],
+        "same_as_torch": [{**g, "params": sorted(g["params"])} for g in ours_by_name["param_groups"]]
+        == torch_by_name["param_groups"]  # (torch sorts each group's names)
+        and _largest_difference(ours_by_name["state"], torch_by_name["state"]) == 0.0,
+        "noop": FSDP.rekey_optim_state_dict(full, fsdp.OptimStateKeyType.PARAM_NAME, ref) is full,
+        "diff": diff,
+        "diff_back": diff_back,
+        "errors": errors,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_rekey_optim_state_dict_moves_state_between_names_and_ids(pool: RankPool) -> None:
+    for r in pool.run(_rekeyed):
+        assert r["id_keys"] and r["same_as_torch"] and r["noop"], r
+        assert r["diff"] < 1e-6 and r["diff_back"] < 1e-6, r  # (the plain and wrapped runs round apart)
+        assert len(r["errors"]) == 3, r
+        assert "flattened parameters" in r["errors"][0]
+        assert "PARAM_NAME or OptimStateKeyType.PARAM_ID" in r["errors"][1]
+        assert "name no parameter of the model" in r["errors"][2]
+
+
+def _roots_and_refusals() -> dict[str, Any]:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[0] = FSDP(net[0])
+    model = FSDP(net)
+    before = model.is_root
+    roots = [model.check_is_root(), net[0].check_is_root()]
+    refused = []
+    for call in (
+        lambda: model.register_comm_hook(None, lambda *a: None),
+        lambda: FSDP.flatten_sharded_optim_state_dict({}, model, torch.optim.SGD(model.parameters(), lr=0.1)),
+    ):
+        try:
+            call()
+        except NotImplementedError as e:
+            refused.append(str(e).split(" is not supported")[0])
+    return {"before": before, "roots": roots, "refused": refused}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_check_is_root_and_torchs_unsupported_methods(pool: RankPool) -> None:
+    for r in pool.run(_roots_and_refusals):
+        assert r["before"] is None and r["roots"] == [True, False], r
+        assert r["refused"] == [
+            "FullyShardedDataParallel.register_comm_hook",
+            "FullyShardedDataParallel.flatten_sharded_optim_state_dict (deprecated in torch)",
+        ], r
+
+
 def _bad_calls() -> list[str]:
     model = FSDP(Net())
     optim = torch.optim.Adam(model.parameters())
