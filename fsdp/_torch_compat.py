@@ -10,7 +10,6 @@ wrapper's fairscale-style ones. What cannot be honoured is refused with an error
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,9 +45,10 @@ def torch_fsdp_options(
     use_orig_params: Any,
     compute_device: Any,
     flatten_parameters: Any,
-) -> tuple[Any, Any, Any, bool, Any, Any]:
+) -> tuple[Any, Any, Any, tuple[bool, bool], Any, Any]:
     """The constructor's torch-FSDP arguments in this library's terms: ``(sharding_strategy,
-    mixed_precision, cpu_offload, backward_prefetch, compute_device, flatten_parameters)``.
+    mixed_precision, cpu_offload, (backward_prefetch, backward_prefetch_post), compute_device,
+    flatten_parameters)``.
 
     ``use_orig_params=True`` is ``flatten_parameters=False``: ``parameters()`` are then one 1-D
     shard per original parameter, as torch's ``use_orig_params=True`` shows them to the optimizer
@@ -83,22 +83,17 @@ def torch_fsdp_options(
     )
 
 
-def _prefetch_flag(value: Any) -> bool:
+def _prefetch_flag(value: Any) -> tuple[bool, bool]:
+    """``(backward_prefetch, backward_prefetch_post)`` of a bool, a ``BackwardPrefetch`` or ``None``."""
     if value is None:
-        return False
+        return False, False
     if isinstance(value, BackwardPrefetch):
-        if value is BackwardPrefetch.BACKWARD_POST:
-            warnings.warn(
-                "FullyShardedDataParallel: backward_prefetch=BACKWARD_POST is taken as BACKWARD_PRE: the next unit's "
-                "all-gather is launched when a unit's backward starts",
-                stacklevel=4,
-            )
-        return True
+        return True, value is BackwardPrefetch.BACKWARD_POST
     if not isinstance(value, bool):
         raise TypeError(
             f"FullyShardedDataParallel: `backward_prefetch` must be a bool, a BackwardPrefetch or None, got {value!r}"
         )
-    return value
+    return value, False
 
 
 def resolve_ignored(

@@ -138,10 +138,11 @@ class CPUOffload:
 
 
 class BackwardPrefetch(enum.Enum):
-    """torch FSDP's ``backward_prefetch`` values. Both prefetch the same way: when a unit's backward
-    starts, the all-gather of the unit whose backward comes next is launched (torch's
-    ``BACKWARD_PRE``); ``BACKWARD_POST`` is taken as ``BACKWARD_PRE``, with a warning. ``None``
-    (or ``False``) turns prefetch off; ``True`` is ``BACKWARD_PRE``."""
+    """torch FSDP's ``backward_prefetch`` values: the all-gather of the unit whose backward comes
+    next is launched when a unit's backward starts (``BACKWARD_PRE``, overlapping this unit's
+    gradient computation), or once its gradients are reduced and its full parameters freed
+    (``BACKWARD_POST``: less overlap, one full unit fewer held). ``None`` (or ``False``) turns
+    prefetch off; ``True`` is ``BACKWARD_PRE``."""
 
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
@@ -425,7 +426,9 @@ class ScheduleConfig:
     """When all-gathers are launched (the root's values govern the whole tree).
 
     ``backward_prefetch``: when a unit's backward starts, launch the all-gather of the unit whose
-    backward comes next, so it overlaps this unit's gradient computation.
+    backward comes next, so it overlaps this unit's gradient computation; with
+    ``backward_prefetch_post`` (torch's ``BACKWARD_POST``) only once this unit's gradients are
+    reduced and its full parameters freed, so at most one full unit is held (less overlap).
     ``forward_prefetch``: likewise in forward, following the order recorded in the first iteration
     (if a later iteration runs units in another order, forward prefetch stops, with a warning).
     ``None`` (the default): on where the host computes (CPU), off on CUDA, and a change of order
@@ -438,9 +441,10 @@ class ScheduleConfig:
     backward_prefetch: bool = True
     forward_prefetch: bool | None = None
     limit_all_gathers: bool = True
+    backward_prefetch_post: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("backward_prefetch", "limit_all_gathers"):
+        for name in ("backward_prefetch", "limit_all_gathers", "backward_prefetch_post"):
             _check_bool(name, getattr(self, name))
         if self.forward_prefetch is not None:
             _check_bool("forward_prefetch", self.forward_prefetch)

@@ -270,7 +270,7 @@ class FullyShardedDataParallel(
             sharding_strategy,
             mixed_precision,
             cpu_offload,
-            backward_prefetch,
+            (prefetch_pre, prefetch_post),
             compute_device,
             flatten_parameters,
         ) = torch_options
@@ -342,7 +342,7 @@ class FullyShardedDataParallel(
             ),
             compute_device=target,
             offload=offload,
-            schedule=ScheduleConfig(backward_prefetch, forward_prefetch, limit_all_gathers),
+            schedule=ScheduleConfig(prefetch_pre, forward_prefetch, limit_all_gathers, prefetch_post),
             no_broadcast_optim_state=bool(no_broadcast_optim_state),
             allow_reset_parameters=allow_reset_parameters,
             verbose=verbose,
@@ -769,6 +769,7 @@ class FullyShardedDataParallel(
             for h in self.handles:
                 if not h.requires_grad:
                     h.reshard(free_full=True)
+            ctx.scheduler.after_backward(self)  # backward_prefetch_post (torch's BACKWARD_POST)
 
     def _finalize_backward(self) -> None:
         """End-of-backward callback (queued once per backward). Runs on the root."""

@@ -7,7 +7,9 @@ Each iteration starts at the root's forward; every unit's forward is appended to
   comes next is the most recent unit in this iteration's forward order that has not started its
   backward yet (the root's hook fires first; then units run backward in reverse forward order). Its
   all-gather is launched right away and overlaps U's gradient computation. It uses this
-  iteration's own order, so it can never be stale.
+  iteration's own order, so it can never be stale. With ``backward_prefetch_post`` (torch's
+  ``BACKWARD_POST``) the same unit is gathered later, at the end of U's post-backward hook, once
+  U's gradients are reduced and its full parameters freed.
 - Forward prefetch: when unit U's forward starts, the unit after it in the order recorded in the
   first iteration is gathered. If a later iteration runs units in another order, forward prefetch
   stops, with one warning when the user asked for it. By default (``forward_prefetch=None``) it is
@@ -94,8 +96,16 @@ class Scheduler:
 
     def on_backward(self, unit: Any) -> None:
         """``unit``'s backward begins: launch the gather of the unit whose backward comes next."""
-        if not self.config.backward_prefetch:
-            return
+        if self.config.backward_prefetch and not self.config.backward_prefetch_post:
+            self._prefetch_next_backward(unit)
+
+    def after_backward(self, unit: Any) -> None:
+        """``unit``'s gradients are reduced and its full parameters freed: with
+        ``backward_prefetch_post``, launch the gather of the unit whose backward comes next."""
+        if self.config.backward_prefetch and self.config.backward_prefetch_post:
+            self._prefetch_next_backward(unit)
+
+    def _prefetch_next_backward(self, unit: Any) -> None:
         for ref in reversed(self.order):
             candidate = ref()
             if candidate is not None and candidate is not unit and not candidate._pre_backward_done:

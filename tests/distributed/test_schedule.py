@@ -58,6 +58,16 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
 
     for n in ("a", "b", "c"):
         getattr(net, n).module.register_forward_hook(lambda m, i, o, n=n: log.append(f"forward:{n}"))
+        unit = getattr(net, n)
+
+        def pre_backward(
+            grad: torch.Tensor, n: str = n, unit: Any = unit, real: Any = unit._pre_backward_hook
+        ) -> Any:
+            if not unit._pre_backward_done:
+                log.append(f"backward:{n}")  # this unit's backward begins
+            return real(grad)
+
+        unit._pre_backward_hook = pre_backward
     fsdp.handle.all_gather, fsdp.handle.reduce_scatter = gather, reduce
     runs = []
     try:
@@ -81,6 +91,27 @@ def test_backward_prefetch_gathers_the_next_unit_before_this_one_is_reduced(pool
     assert back_on.index("gather:b") < back_on.index("reduce"), back_on
     back_off = off[off.index("forward:c") :]
     assert back_off.index("gather:b") > back_off.index("reduce"), back_off
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_backward_post_gathers_the_next_unit_once_this_one_is_reduced(pool: RankPool) -> None:
+    post = pool.run(_events, {"backward_prefetch": fsdp.BackwardPrefetch.BACKWARD_POST})[0][1]
+    off = pool.run(_events, {"backward_prefetch": False})[0][1]
+    pre = pool.run(_events, {})[0][1]
+    for log in (post, off, pre):
+        back = log[log.index("backward:c") :]
+        assert back.count("reduce") == 3 and back.count("gather:b") == 1, back
+        c_reduced, b_gathered, b_starts = (
+            back.index("reduce"),
+            back.index("gather:b"),
+            back.index("backward:b"),
+        )
+        if log is post:  # after c's reduction, before b's backward begins
+            assert c_reduced < b_gathered < b_starts, back
+        elif log is off:  # when b's backward begins
+            assert c_reduced < b_starts < b_gathered, back
+        else:  # BACKWARD_PRE: while c's gradient is computed
+            assert b_gathered < c_reduced < b_starts, back
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
@@ -170,11 +201,16 @@ def _parity(schedule: dict[str, bool], case: str) -> float:
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
 @pytest.mark.parametrize(
     "schedule",
-    [{"forward_prefetch": True}, {"backward_prefetch": False}, {"limit_all_gathers": False}],
-    ids=lambda s: next(iter(s)),
+    [
+        {"forward_prefetch": True},
+        {"backward_prefetch": False},
+        {"backward_prefetch": fsdp.BackwardPrefetch.BACKWARD_POST},
+        {"limit_all_gathers": False},
+    ],
+    ids=lambda s: "_".join(f"{k}={getattr(v, 'name', v)}" for k, v in s.items()),
 )
 @pytest.mark.parametrize("case", ["nested", "called_twice", "structured_outputs"])
-def test_parity_with_every_schedule(pool: RankPool, schedule: dict[str, bool], case: str) -> None:
+def test_parity_with_every_schedule(pool: RankPool, schedule: dict[str, Any], case: str) -> None:
     assert max(pool.run(_parity, schedule, case)) <= 1e-5
 
 

@@ -125,10 +125,14 @@ def test_backward_prefetch_takes_torchs_values(single_rank_group: None, value: A
     assert model.fsdp_config.schedule.backward_prefetch is expected
 
 
-def test_backward_post_is_taken_as_pre_with_a_warning(single_rank_group: None) -> None:
-    with pytest.warns(UserWarning, match="BACKWARD_POST is taken as BACKWARD_PRE"):
-        model = FSDP(nn.Linear(2, 2), backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST)
-    assert model.fsdp_config.schedule.backward_prefetch is True
+@pytest.mark.parametrize("enum", [torch_fsdp.BackwardPrefetch, fsdp.BackwardPrefetch])
+def test_backward_post_prefetches_after_the_reduction(single_rank_group: None, enum: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        post = FSDP(nn.Linear(2, 2), backward_prefetch=enum.BACKWARD_POST).fsdp_config.schedule
+        pre = FSDP(nn.Linear(2, 2), backward_prefetch=enum.BACKWARD_PRE).fsdp_config.schedule
+    assert post.backward_prefetch and post.backward_prefetch_post
+    assert pre.backward_prefetch and not pre.backward_prefetch_post
 
 
 def test_device_id_names_the_compute_device(single_rank_group: None) -> None:
