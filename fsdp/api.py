@@ -95,12 +95,15 @@ class ShardingStrategy(enum.Enum):
     - ``NO_SHARD``: replicate like DDP; gradients are all-reduced, overlapped with backward.
     - ``HYBRID_SHARD``: full sharding within a group of ranks (e.g. a node), replication across
       groups: reduce-scatter in the shard group, then all-reduce of the shard across replicas.
+    - ``_HYBRID_SHARD_ZERO2`` (torch's name): ``HYBRID_SHARD`` that keeps full parameters from
+      forward to backward, as ``SHARD_GRAD_OP`` does (``reshard_after_forward=False``).
     """
 
     FULL_SHARD = enum.auto()
     SHARD_GRAD_OP = enum.auto()
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
+    _HYBRID_SHARD_ZERO2 = enum.auto()
 
 
 class StateDictType(enum.Enum):

@@ -47,6 +47,8 @@ def resolve_strategy(strategy: Any, reshard_after_forward: bool) -> tuple[Shardi
         raise TypeError(
             f"FullyShardedDataParallel: `sharding_strategy` must be a fsdp.ShardingStrategy, got {strategy!r}"
         )
+    if strategy is ShardingStrategy._HYBRID_SHARD_ZERO2:  # HYBRID_SHARD, full parameters kept for backward
+        return ShardingStrategy.HYBRID_SHARD, False
     if strategy is ShardingStrategy.FULL_SHARD and not reshard_after_forward:
         raise ValueError(
             "FullyShardedDataParallel: sharding_strategy=FULL_SHARD frees parameters after forward, but "

@@ -59,11 +59,17 @@ def test_hybrid_shard_2x2_parity(pool: RankPool, hybrid: str, case: str) -> None
         assert max(diffs.values()) <= TOL, diffs
 
 
+@pytest.mark.parametrize("pool", [4], indirect=True)
+def test_hybrid_shard_zero2_2x2_parity(pool: RankPool) -> None:
+    for diffs in pool.run(_parity, "called_twice", "_HYBRID_SHARD_ZERO2", "groups"):
+        assert max(diffs.values()) <= TOL, diffs
+
+
 def _step_collectives(strategy: str, bucket_cap_mb: int = 25) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1))
     kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy], "bucket_cap_mb": bucket_cap_mb}
-    if strategy == "HYBRID_SHARD":
+    if "HYBRID" in strategy:
         kwargs["process_group"] = hybrid_groups(2)
     net[0], net[1] = FSDP(net[0], **kwargs), FSDP(net[1], **kwargs)
     model = FSDP(net, **kwargs)
@@ -102,6 +108,9 @@ def test_collectives_issued_by_each_strategy(pool: RankPool) -> None:
     assert hybrid["reduce_scatter"] == (1, 2 * pad2[unit] + pad2[root])
     # the shards (half of each padded flat parameter) all-reduced across the 2 replicas, plus the check
     assert hybrid["all_reduce"] == (3 + 1, (2 * pad2[unit] + pad2[root]) // 2 + 2 * 3)
+    zero2 = pool.run(_step_collectives, "_HYBRID_SHARD_ZERO2")[0]  # torch's name
+    assert zero2["all_gather"] == (3, 2 * pad2[unit] + pad2[root]), "no all-gather in backward"
+    assert zero2["reduce_scatter"] == hybrid["reduce_scatter"] and zero2["all_reduce"] == hybrid["all_reduce"]
 
 
 def _bad_strategy_args(which: str) -> str:

@@ -105,8 +105,23 @@ def test_keep_low_precision_grads_is_refused() -> None:
 
 # ---------------------------------------------------------------------- constructor arguments
 def test_torch_enum_values_without_a_twin_are_refused(single_rank_group: None) -> None:
-    with pytest.raises(ValueError, match="_HYBRID_SHARD_ZERO2 is not supported"):
-        FSDP(nn.Linear(2, 2), sharding_strategy=torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2)
+    import enum
+
+    class ShardingStrategy(enum.Enum):  # a value a later torch might add
+        ZERO_FOUR = 1
+
+    ShardingStrategy.__module__ = "torch.distributed.fsdp.api"
+    with pytest.raises(ValueError, match=r"ShardingStrategy\.ZERO_FOUR is not supported"):
+        FSDP(nn.Linear(2, 2), sharding_strategy=ShardingStrategy.ZERO_FOUR)
+
+
+def test_hybrid_shard_zero2_keeps_full_parameters_for_backward(
+    single_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for value in (torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2, fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2):
+        sharding = FSDP(nn.Linear(2, 2), sharding_strategy=value).fsdp_config.sharding
+        assert sharding.strategy is fsdp.ShardingStrategy.HYBRID_SHARD and not sharding.reshard_after_forward
 
 
 @pytest.mark.parametrize(
