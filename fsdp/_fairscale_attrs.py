@@ -210,3 +210,15 @@ class FairscaleAttributes:
                 yield plain_name(name), p
             else:
                 yield name, p
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        """``nn.Module.get_parameter``, also for the names :meth:`named_parameters` gives that are not
+        attribute paths: the original names of ``flatten_parameters=False`` (``use_orig_params``)
+        shards, and the plain names inside ``summon_full_params``."""
+        try:
+            return nn.Module.get_parameter(self, target)  # type: ignore[arg-type]
+        except AttributeError:
+            for name, p in self.named_parameters(remove_duplicate=False):
+                if name == target:
+                    return p
+            raise

@@ -172,14 +172,16 @@ def _param_groups_by_name() -> tuple[list[str], float]:
             opt.step()
     full = model.state_dict()
     diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
-    return sorted(n for n, _ in model.named_parameters()), diff
+    resolved = all(model.get_parameter(n) is p for n, p in model.named_parameters())
+    return sorted(n for n, _ in model.named_parameters()), diff, resolved
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_use_orig_params_lets_the_optimizer_group_parameters_by_name(pool: RankPool) -> None:
-    for names, diff in pool.run(_param_groups_by_name):
+    for names, diff, resolved in pool.run(_param_groups_by_name):
         assert names == sorted(n for n, _ in Net().named_parameters())
         assert diff < 1e-5
+        assert resolved, "get_parameter() finds every name named_parameters() gives"
 
 
 # ---------------------------------------------------------------------- optimizer state, torch's methods
