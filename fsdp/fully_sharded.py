@@ -538,6 +538,43 @@ class FullyShardedDataParallel(
         return self._outer is not None and self._outer() is not None
 
     # ------------------------------------------------------------------ lazy init
+    def _reset_lazy_init(self) -> None:
+        """fairscale's: forget which wrapper is the root, so that the next forward sets the tree up
+        again from the wrapper it runs on (fairseq calls it on inner wrappers before wrapping them in an
+        outer one; VISSL on every wrapper after loading a checkpoint). The whole tree this wrapper
+        belongs to is reset: it shares one context. Call it on every rank, between steps."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        root = ctx.wrappers[0]
+        if not root._context_is_idle():
+            raise RuntimeError(
+                "FullyShardedDataParallel._reset_lazy_init: called during a step (a forward, backward or "
+                "no_sync() of this wrapper tree is not over); call it between steps"
+            )
+        root._release_context()
+
+    def _context_is_idle(self) -> bool:
+        """This root's tree is between steps: every wrapper IDLE, no backward pending, not in no_sync()."""
+        ctx = self._ctx
+        assert ctx is not None
+        return (
+            ctx.sync
+            and not ctx.callback_queued
+            and all(w.training_state is TrainingState.IDLE for w in ctx.wrappers)
+        )
+
+    def _release_context(self) -> None:
+        """Undo this root's lazy init: its wrappers drop the shared context and any full parameters
+        kept from the last forward, and wait for the next forward to find their root."""
+        ctx = self._ctx
+        assert ctx is not None and self._is_root
+        for w in ctx.wrappers:
+            for h in w.handles:
+                h.reshard(free_full=True)
+            w._is_root, w._own_ctx, w._ctx_ref = None, None, None
+            w._reshard_after_forward = w.fsdp_config.sharding.reshard_after_forward
+
     def _lazy_init(self) -> None:
         """On the first forward of the outermost wrapper: become root, share one context, check ranks."""
         if self._ctx is not None:
@@ -548,12 +585,14 @@ class FullyShardedDataParallel(
             return
         wrappers = self._wrappers()
         for w in wrappers[1:]:
-            if w._is_root:
-                raise RuntimeError(
-                    f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} already ran a forward as "
-                    "a root of its own. A wrapper nested in another must only run inside the outer wrapper's "
-                    "forward: call forward on the outermost wrapper only (or do not nest it)"
-                )
+            if w._is_root:  # it ran alone first (an evaluation, say): it becomes one of this root's units
+                if not w._context_is_idle():
+                    raise RuntimeError(
+                        f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
+                        "root of its own and is not done with it (its backward, or its no_sync(), is not over). "
+                        "Finish that step before the outer wrapper's first forward"
+                    )
+                w._release_context()
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)

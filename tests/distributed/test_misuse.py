@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +12,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy
+from tests.parity import compare_training
 from tests.rank_pool import RankFailure, RankPool
 
 
@@ -36,17 +40,49 @@ def test_ranks_with_different_wrappers_fail_at_first_forward(pool: RankPool) -> 
         assert "ranks built different FSDP wrappers" in msg and "rank 1" in msg
 
 
-def _second_root() -> str:
-    inner = FSDP(nn.Linear(4, 4))
-    inner(torch.randn(2, 4))  # the inner wrapper runs alone first and becomes a root
-    outer = FSDP(nn.Sequential(inner, nn.Linear(4, 2)))
-    return _expect(RuntimeError, outer, torch.randn(2, 4))
+def _inner_root_first(how: str) -> Any:
+    """An inner wrapper runs alone first (as fairscale allows: an evaluation, an EMA copy), then the
+    outer wrapper trains; or the tree is reset with fairscale's ``_reset_lazy_init`` mid-training."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    net = copy.deepcopy(ref)
+    net[0] = FSDP(net[0])
+    if how == "unfinished":
+        with net[0].no_sync():
+            net[0](torch.randn(2, 4)).sum().backward()  # its no_sync() is still open at the outer's forward
+            outer = FSDP(net)
+            return _expect(RuntimeError, outer, torch.randn(2, 4))
+    if how == "first":
+        with torch.no_grad():
+            net[0](torch.randn(2, 4))  # becomes a root of its own
+        net[0](torch.randn(2, 4)).sum().backward()  # and trains alone once (no optimizer step)
+        net[0].zero_grad()
+    model = FSDP(net)
+    diffs = compare_training(
+        ref, model, lambda g, n: torch.randn(n, 4, generator=g), lambda o: o.pow(2).mean(), steps=2
+    )
+    roots = [model.is_root, net[0].is_root]
+    if how == "reset":
+        net[0]._reset_lazy_init()  # an inner wrapper resets the whole tree
+        roots += [model.is_root, net[0].is_root]
+        diffs2 = compare_training(
+            ref, model, lambda g, n: torch.randn(n, 4, generator=g), lambda o: o.pow(2).mean(), steps=2
+        )
+        diffs = {k: max(v, diffs2[k]) for k, v in diffs.items()}
+        roots += [model.is_root, net[0].is_root]
+    return max(diffs.values()), roots
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-def test_inner_wrapper_used_as_a_second_root(pool: RankPool) -> None:
-    for msg in pool.run(_second_root, timeout=60):
-        assert "already ran a forward as a root" in msg and "'0'" in msg
+@pytest.mark.parametrize("how", ["first", "reset", "unfinished"])
+def test_an_inner_wrapper_that_ran_alone_becomes_a_unit_of_the_outer_root(pool: RankPool, how: str) -> None:
+    for result in pool.run(_inner_root_first, how, timeout=60):
+        if how == "unfinished":
+            assert "ran a forward as a root of its own and is not done with it" in result and "'0'" in result
+            continue
+        diff, roots = result
+        assert diff <= 1e-5, diff
+        assert roots == ([True, False] if how == "first" else [True, False, None, None, True, False]), roots
 
 
 def _create_graph() -> str:
