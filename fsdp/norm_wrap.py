@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.fully_sharded import FullyShardedDataParallel
+from fsdp.wrap import config_auto_wrap_policy, wrap_children
 
 __all__ = ["auto_wrap_bn"]
 
@@ -43,8 +44,10 @@ def auto_wrap_bn(
 
     Call it on every rank before wrapping the rest of the model; the outer wrappers leave the
     wrapped layers to their own wrappers. Each layer is tagged with ``wrapper_config`` (the wrapper
-    kwargs: ``fsdp_config``, or fp32 without flattening by default) and, with ``wrap_it``, wrapped.
-    With ``wrap_it=False`` the tags are left for :func:`~fsdp.config_auto_wrap_policy`.
+    kwargs: ``fsdp_config``, or fp32 without flattening by default) and, with ``wrap_it``, every
+    tagged module is wrapped with its tag's kwargs (:func:`~fsdp.config_auto_wrap_policy`, as in
+    fairscale: modules a user tagged before the call too). With ``wrap_it=False`` the tags are left
+    for :func:`~fsdp.config_auto_wrap_policy`.
 
     Args:
         module: the model, or a batch-norm layer (then its wrapper is returned).
@@ -75,16 +78,18 @@ def auto_wrap_bn(
             m.wrapper_config = config  # type: ignore[assignment]  # a plain attribute, as fairscale
     if not wrap_it:
         return module
-    return _wrap_tagged(module, config)
+    return _wrap_tagged(module)
 
 
-def _wrap_tagged(module: nn.Module, config: dict[str, Any]) -> nn.Module:
+def _wrap_tagged(module: nn.Module) -> nn.Module:
+    """Every module tagged with a ``wrapper_config``, in a wrapper built with its tag's kwargs,
+    innermost first (fairscale's ``config_auto_wrap_policy``): the batch norms, and any module a
+    user tagged before the call. Needs no ``enable_wrap`` context, and works inside one."""
     if isinstance(module, FullyShardedDataParallel):
         return module  # already wrapped: its layers belong to that wrapper's plan
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return FullyShardedDataParallel(module, **config)
-    for name, child in list(module.named_children()):
-        wrapped = _wrap_tagged(child, config)
-        if wrapped is not child:
-            setattr(module, name, wrapped)
-    return module
+
+    def make(m: nn.Module) -> nn.Module:
+        return FullyShardedDataParallel(m, **m.wrapper_config)  # type: ignore[arg-type]
+
+    wrap_children(module, config_auto_wrap_policy, FullyShardedDataParallel, make)
+    return make(module) if getattr(module, "wrapper_config", None) is not None else module

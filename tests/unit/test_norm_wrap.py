@@ -95,3 +95,14 @@ def test_tags_collisions_overrides_and_refusals(single_rank_group: None) -> None
         net[0] = wrap(net[0])
         auto_wrap_bn(net)
     assert isinstance(net[0], FSDP) and isinstance(net[1], FSDP)
+
+
+def test_modules_tagged_before_the_call_are_wrapped_too(single_rank_group: None) -> None:
+    """As fairscale's: the wrap pass is config_auto_wrap_policy's, so a module a user tagged with
+    a wrapper_config beforehand is wrapped with its own kwargs, beside the batch norms."""
+    net = _net()
+    net[3].wrapper_config = {"reshard_after_forward": False, "flatten_parameters": False}
+    wrapped = auto_wrap_bn(net)
+    assert isinstance(wrapped[1], FSDP) and isinstance(wrapped[3], FSDP) and not isinstance(wrapped[0], FSDP)
+    assert wrapped[3].reshard_after_forward is False and wrapped[3].flatten_parameters is False
+    assert wrapped[1].mixed_precision is False
