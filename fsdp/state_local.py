@@ -50,7 +50,10 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     buffers under their names, and an identity entry.
 
     Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
-    model. With ``keep_vars`` the flat parameters and buffers themselves.
+    model. With ``keep_vars`` the flat parameters and buffers themselves. Buffers are in their dtype
+    from before wrapping, as in ``state_dict()``: one the wrapper keeps in another dtype
+    (``buffer_dtype``, the compute dtype under ``mixed_precision=True``) is a cast copy, with
+    ``keep_vars`` too.
     """
     out: dict[str, Any] = {}
     for unit in layout.units:
@@ -59,7 +62,8 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     for s in layout.ignored:  # unmanaged: this rank's parameter under its name
         out[s.name] = s.param if keep_vars else s.param.detach()
     for b in layout.buffers:
-        out[b.name] = b.tensor if keep_vars else b.tensor.detach()
+        value = b.tensor if keep_vars else b.tensor.detach()
+        out[b.name] = value if value.dtype == b.dtype else value.detach().to(b.dtype)
     out[LOCAL_STATE_KEY] = _local_identity(layout)
     return out
 
@@ -67,7 +71,9 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
 def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool = True) -> NamedTuple:
     """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrap plan.
 
-    Everything is checked before anything is written: on an error the model is unchanged.
+    Everything is checked before anything is written: on an error the model is unchanged. Buffers
+    are cast to the dtype the wrapper keeps them in, so a dict holding them in their original dtype
+    loads, and so does one saved by earlier versions, which held them in the kept dtype.
     """
     ident = state.get(LOCAL_STATE_KEY)
     mine = _local_identity(layout)

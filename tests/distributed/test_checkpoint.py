@@ -254,7 +254,11 @@ def test_fairscale_consolidates_our_shards(pool: RankPool) -> None:
 
     cases = ("nested", "tiny", "buffers", "tied")
     results = pool.run(_local_shards, cases)
-    for case in cases:
+    # fairscale returns the buffers as the local state dicts hold them: in their original dtype
+    mixed = pool.run(_local_shards, ("buffers",), mixed_precision=True, compute_dtype=torch.bfloat16)
+    for r, m in zip(results, mixed, strict=True):
+        r["buffers_bf16"] = m["buffers"]
+    for case in (*cases, "buffers_bf16"):
         weights = [r[case]["weights"] for r in results]  # rank order: fairscale takes list index as rank
         metadata = [r[case]["metadata"] for r in results]
         ours = FSDP.consolidate_shard_weights(weights, metadata)
