@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "DeviceHandle",
     "SideCopies",
+    "allocated_bytes",
     "default_compute_device",
     "device_available",
     "is_accelerator",
@@ -227,6 +228,14 @@ def default_compute_device(
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def allocated_bytes(device: torch.device) -> tuple[int, int] | None:
+    """``(now, peak)`` bytes of the caching allocator of a CUDA ``device``; ``None`` elsewhere (the CPU
+    keeps no such count)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
 
 
 def with_index(device: torch.device) -> torch.device:

@@ -6,11 +6,15 @@ read-only properties over :class:`~fsdp.api.FSDPConfig`, mixed into the wrapper.
 wrapped module has an attribute of the same name (``nn.LSTM.flatten_parameters``, a model's own
 ``verbose``), that attribute wins, as it did when lookups fell through to the module. Also
 fairscale's ``named_parameters()``: plain names inside ``summon_full_params`` and for parameters
-that are not flattened.
+that are not flattened; and the state fairscale keeps in attributes of its own, read from the
+handles and the root's context (``has_full_params``, ``_require_backward_grad_sync``), with its
+debugging aid ``_print_r0`` (logged, never printed).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,10 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp._device import allocated_bytes
 from fsdp.api import FSDPConfig, ShardingStrategy, TrainingState
 from fsdp.consistency import plain_name
 
 __all__ = ["FairscaleAttributes"]
+
+log = logging.getLogger(__name__)
+_GB = 1024**3
 
 
 def _option(read: Callable[[Any], Any]) -> property:
@@ -58,6 +66,10 @@ class FairscaleAttributes:
     _reshard_after_forward: bool
     _wrappers: Callable[[], list[Any]]
     _is_root: bool | None
+    _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
+    # provided by the wrapper (the root's context, None before lazy init) and by StatsMethods
+    _ctx: Any
+    memory_stats: Callable[[], dict[str, int]]
 
     def extra_repr(self) -> str:
         sharding = self.fsdp_config.sharding
@@ -171,6 +183,47 @@ class FairscaleAttributes:
     def params(self) -> list[nn.Parameter]:
         """This wrapper's own flat parameters (fairscale name)."""
         return [h.flat_param for h in self.handles]
+
+    @property
+    def has_full_params(self) -> bool:
+        """fairscale's flag: whether this wrapper's full parameters are gathered now. True while they are
+        shown (forward, backward, ``summon_full_params``, ``state_dict``) and while a gathered copy is
+        kept for backward (the root, ``reshard_after_forward=False``) and the shards have not changed
+        since; always where the shard is the full parameter (one rank, no cast); False for a wrapper
+        that owns no parameters."""
+        return bool(self.handles) and all(h.holds_full for h in self.handles)
+
+    @property
+    def _require_backward_grad_sync(self) -> bool:
+        """fairscale's flag: False inside the root's ``no_sync()`` (gradients accumulate locally), else
+        True. The same on every wrapper of the tree. Read-only."""
+        ctx = self._ctx
+        return True if ctx is None else bool(ctx.sync)
+
+    def _print_r0(self, msg: str, restart: bool = False) -> None:
+        """fairscale's debugging aid: on rank 0, log ``msg`` at INFO (this module's logger) with this
+        rank's memory and the seconds since construction, or since the last call with ``restart=True``
+        (which restarts the clock on every rank). On CUDA the memory is the caching allocator's now
+        and at its peak (``memory_allocated`` / ``max_memory_allocated``, as fairscale);
+        elsewhere, this tree's unshard buffers now and at their peak (``memory_stats()``)."""
+        if restart:
+            self._tstart = time.time()
+        if self.rank != 0 or not log.isEnabledFor(logging.INFO):
+            return
+        device = allocated_bytes(self.compute_device)
+        if device is not None:
+            now, peak, what = device[0], device[1], ""
+        else:
+            stats = self.memory_stats()
+            now, peak, what = stats["unsharded"], stats["unsharded_peak"], " unsharded"
+        log.info(
+            "%s%s cur=%.4f GB, max=%.4f GB, t=%.1f s",
+            msg,
+            what,
+            now / _GB,
+            peak / _GB,
+            time.time() - self._tstart,
+        )
 
     def non_shared_params(self) -> list[nn.Parameter]:
         """fairscale: the parameters not shared with another wrapper; here every one of ``params``

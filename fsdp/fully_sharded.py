@@ -20,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
@@ -203,6 +204,7 @@ class FullyShardedDataParallel(
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
+    _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
 
     def __init__(
         self,
@@ -243,6 +245,7 @@ class FullyShardedDataParallel(
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
+        self._tstart = time.time()  # fairscale's clock of _print_r0
         run_eagerly_under_compile()  # See [Note: torch.compile]
         self._frozen = False
         if not isinstance(module, nn.Module):

@@ -259,6 +259,14 @@ class FlatParamHandle:
         return self._full is self._shard
 
     @property
+    def holds_full(self) -> bool:
+        """Whether the full flat parameter's values for the current shard are in memory: unsharded, or
+        the compute buffer kept since a forward and the shard unchanged since (always when aliased)."""
+        if self.state is MemoryState.UNSHARDED:
+            return True
+        return self.aliased or (self._full_valid and self._full_version == self.flat_param._version)
+
+    @property
     def gathers(self) -> bool:
         """Its unshard is an all-gather across ranks (not a copy, a cast or nothing)."""
         return self.spec.world_size > 1

@@ -50,7 +50,10 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     buffers under their names, and an identity entry.
 
     Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
-    model. With ``keep_vars`` the flat parameters and buffers themselves.
+    model. With ``keep_vars`` the flat parameters and buffers themselves. Buffers are in their dtype
+    from before wrapping, as in ``state_dict()``: one the wrapper keeps in another dtype
+    (``buffer_dtype``, the compute dtype under ``mixed_precision=True``) is a cast copy, with
+    ``keep_vars`` too.
     """
     out: dict[str, Any] = {}
     for unit in layout.units:
@@ -59,7 +62,8 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     for s in layout.ignored:  # unmanaged: this rank's parameter under its name
         out[s.name] = s.param if keep_vars else s.param.detach()
     for b in layout.buffers:
-        out[b.name] = b.tensor if keep_vars else b.tensor.detach()
+        value = b.tensor if keep_vars else b.tensor.detach()
+        out[b.name] = value if value.dtype == b.dtype else value.detach().to(b.dtype)
     out[LOCAL_STATE_KEY] = _local_identity(layout)
     return out
 
@@ -67,7 +71,9 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
 def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool = True) -> NamedTuple:
     """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrap plan.
 
-    Everything is checked before anything is written: on an error the model is unchanged.
+    Everything is checked before anything is written: on an error the model is unchanged. Buffers
+    are cast to the dtype the wrapper keeps them in, so a dict holding them in their original dtype
+    loads, and so does one saved by earlier versions, which held them in the kept dtype.
     """
     ident = state.get(LOCAL_STATE_KEY)
     mine = _local_identity(layout)
@@ -134,31 +140,43 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
     """What :func:`consolidate_shard_weights` needs to rebuild full parameters from local shards.
 
     Keys as in fairscale (``param_metadata``, ``buffer_names``), plus this rank's identity, the
-    buffers' original dtypes and the unwrapped model's state-dict key order.
+    buffers' original dtypes and the unwrapped model's state-dict key order. fairscale's own
+    ``consolidate_shard_weights`` reads it too: each flat parameter's entry holds exactly fairscale's
+    four keys, in its order (it unpacks their values by position); where this rank's shard sits in
+    the unit's shard group (``shard_rank``, ``shard_world_size``: they differ from the rank and world
+    size under ``NO_SHARD`` and ``HYBRID_SHARD``) is written beside ``fsdp_path`` in the unit's
+    entry, where fairscale reads only the keys it knows. See :func:`consolidate_shard_weights` for
+    the older layout, with those two keys in every flat parameter's entry.
     """
     units = []
     for unit in layout.units:
         params = {}
         shared = []
         for i, h in enumerate(unit.handles):
-            params[f"flat_param_{i}"] = {
+            params[f"flat_param_{i}"] = {  # fairscale's keys in fairscale's order: nothing else here
                 "names": [p.fqn for p in h.meta.params],
                 "shapes": [tuple(p.shape) for p in h.meta.params],
                 "numels": [p.numel for p in h.meta.params],
                 "padding": h.spec.pad,
-                "shard_rank": h.spec.rank,
-                "shard_world_size": h.spec.world_size,
             }
             shared += [
                 (_join(unit.path, h.meta.params[s.primary].fqn), _join(unit.path, s.fqn))
                 for s in h.meta.shared
             ]
+        # one shard group per wrapper; a wrapper without parameters has no shards (rank 0 of 1)
+        places = {(h.spec.rank, h.spec.world_size) for h in unit.handles} or {(0, 1)}
+        assert len(places) == 1, (
+            f"the flat parameters of wrapper {unit.path!r} are sharded over different groups"
+        )
+        ((shard_rank, shard_world_size),) = places
         units.append(
             {
                 "fsdp_path": unit.path,
                 "params": params,
                 "shared_param_info": shared,
                 "no_broadcast_optim_state": unit.no_broadcast_optim_state,
+                "shard_rank": shard_rank,
+                "shard_world_size": shard_world_size,
             }
         )
     return {
@@ -169,6 +187,12 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
         "buffer_dtypes": {b.name: str(b.dtype).removeprefix("torch.") for b in layout.buffers},
         "state_dict_keys": list(layout.keys),
     }
+
+
+def _placement(unit: Mapping[str, Any], param: Mapping[str, Any], key: str, default: int) -> Any:
+    """``shard_rank`` / ``shard_world_size`` of a flat parameter: in its wrapper's entry (the current
+    layout), else in its own entry (the layout before fairscale's consolidator could read ours)."""
+    return unit.get(key, param.get(key, default))
 
 
 def consolidate_shard_weights(
@@ -183,6 +207,11 @@ def consolidate_shard_weights(
     :func:`local_metadata_dict` (any order; with hybrid sharding one replica of each shard is
     enough). Buffers and ignored parameters come from the lowest rank given. ``strict=False`` skips flat parameters and
     buffers missing from the weights instead of raising.
+
+    Metadata of both layouts is read: the current one, with ``shard_rank`` / ``shard_world_size`` in
+    each wrapper's entry of ``param_metadata``, and the older one, with them in each flat
+    parameter's entry (which fairscale's consolidator could not read). Without either, a rank's
+    shard index is its rank and the shard group is every rank given.
     """
     where = "consolidate_shard_weights"
     if not shard_weights or len(shard_weights) != len(shard_metadata):
@@ -209,12 +238,13 @@ def consolidate_shard_weights(
                     raise KeyError(f"{where}: the shard dict of rank(s) {absent} has no {key!r}")
                 continue
             for i in order:
-                meta_i = shard_metadata[i]["param_metadata"][u]["params"][backing]
-                shard_rank = int(meta_i.get("shard_rank", ranks[i]))
+                unit_i = shard_metadata[i]["param_metadata"][u]
+                meta_i = unit_i["params"][backing]
+                shard_rank = int(_placement(unit_i, meta_i, "shard_rank", ranks[i]))
                 if shard_rank not in pieces:  # else: a replica of a shard already taken (hybrid sharding)
                     flat = shard_weights[i][key].detach().reshape(-1)
                     pieces[shard_rank] = flat[: flat.numel() - int(meta_i["padding"])]
-            shard_world = int(pmeta.get("shard_world_size", len(shard_weights)))
+            shard_world = int(_placement(unit, pmeta, "shard_world_size", len(shard_weights)))
             if sorted(pieces) != list(range(shard_world)):
                 raise ValueError(
                     f"{where}: {key!r} is sharded over {shard_world} ranks but the shards of rank(s) "

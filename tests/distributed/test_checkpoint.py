@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,42 @@ def test_offline_consolidation_equals_state_dict(pool: RankPool, tmp_path: Path)
         plain = build(case, seed=99)
         plain.load_state_dict(torch.load(out, weights_only=True), strict=True)
         assert state_diff(plain.state_dict(), expected) == 0.0
+
+
+def _local_shards(cases: tuple[str, ...], **fsdp_kwargs: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case in cases:
+        _, model = make(case, seed=3, **fsdp_kwargs)
+        train(model, torch.optim.SGD(model.parameters(), lr=0.1), case, range(1))
+        weights = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.local_state_dict().items()
+        }
+        out[case] = {"weights": weights, "metadata": model.local_metadata_dict()}
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_fairscale_consolidates_our_shards(pool: RankPool) -> None:
+    """fairscale's static consolidate_shard_weights reads our local shards and metadata (it unpacks each
+    flat parameter's entry as exactly four values) and rebuilds what ours does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
+
+    cases = ("nested", "tiny", "buffers", "tied")
+    results = pool.run(_local_shards, cases)
+    # fairscale returns the buffers as the local state dicts hold them: in their original dtype
+    mixed = pool.run(_local_shards, ("buffers",), mixed_precision=True, compute_dtype=torch.bfloat16)
+    for r, m in zip(results, mixed, strict=True):
+        r["buffers_bf16"] = m["buffers"]
+    for case in (*cases, "buffers_bf16"):
+        weights = [r[case]["weights"] for r in results]  # rank order: fairscale takes list index as rank
+        metadata = [r[case]["metadata"] for r in results]
+        ours = FSDP.consolidate_shard_weights(weights, metadata)
+        theirs = FairscaleFSDP.consolidate_shard_weights(weights, metadata)
+        # fairscale copies the ties of the last wrapper it lists only: the root's tie of "tied" is not there
+        assert set(theirs) == set(ours) - ({"head.weight"} if case == "tied" else set()), case
+        assert all(torch.equal(v, ours[k]) and v.dtype == ours[k].dtype for k, v in theirs.items()), case
 
 
 # ---------------------------------------------------------------------- raw DCP with the public methods

@@ -119,6 +119,81 @@ def test_dtype_contract(pool: RankPool, config: str) -> None:
         assert seen == expected
 
 
+def _bn_local_state_round_trip() -> dict[str, Any]:
+    """A batch-norm model under fairscale's mixed precision (buffers kept in fp16): the local state dict's
+    dtypes, and training after loading it (as saved now, and as earlier versions saved it: buffers in
+    fp16) against training on without a reload."""
+    import io
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    net[1] = FSDP(net[1], mixed_precision=True, compute_dtype=F16)
+    model = FSDP(net, mixed_precision=True, compute_dtype=F16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank = dist.get_rank()
+
+    def steps(first: int) -> list[float]:
+        losses = []
+        for step in range(first, first + 2):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def saved(obj: Any) -> Any:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)
+
+    steps(0)
+    local = model.local_state_dict()
+    dtypes = {k: v.dtype for k, v in local.items() if isinstance(v, torch.Tensor)}
+    kept_vars = {
+        k: v.dtype for k, v in model.local_state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)
+    }
+    kept = model.module[1].module.running_mean.dtype  # the dtype the wrapper computes with
+    checkpoint = saved({"model": local})
+    optim_state = saved(opt.state_dict())  # loaded fresh each time: load_state_dict keeps its tensors
+    earlier = {k: v.to(kept) if k.endswith(("running_mean", "running_var")) else v for k, v in local.items()}
+    earlier = saved(earlier)  # what earlier versions saved: the buffers in the compute dtype
+    expected_losses, expected_state = steps(2), model.state_dict()
+    out: dict[str, Any] = {"dtypes": dtypes, "keep_vars": kept_vars, "kept": kept, "diffs": []}
+    for local_sd in (checkpoint["model"], earlier):
+        model.load_local_state_dict(local_sd)
+        opt.load_state_dict(saved(optim_state))
+        losses, state = steps(2), model.state_dict()
+        out["diffs"].append(
+            {
+                "losses_equal": losses == expected_losses,
+                "state_equal": list(state) == list(expected_state)
+                and all(
+                    torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in expected_state.items()
+                ),
+                "buffer_dtype": model.module[1].module.running_var.dtype,
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_local_state_dict_holds_buffers_in_their_original_dtype(pool: RankPool) -> None:
+    """As in fairscale (and our full state_dict()), the local state dict holds fp32 batch-norm statistics
+    under mixed precision; loading casts them back to the fp16 the wrapper keeps, and training goes on
+    exactly, from such a dict and from one with fp16 buffers (as earlier versions saved)."""
+    for r in pool.run(_bn_local_state_round_trip):
+        assert r["kept"] == F16
+        for dtypes in (r["dtypes"], r["keep_vars"]):
+            assert dtypes["1.running_mean"] == F32 and dtypes["1.running_var"] == F32, dtypes
+            assert dtypes["1.num_batches_tracked"] == torch.int64, dtypes
+            assert all(v == F32 for k, v in dtypes.items() if "flat_param" in k), dtypes
+        for d in r["diffs"]:
+            assert d == {"losses_equal": True, "state_equal": True, "buffer_dtype": F16}, d
+
+
 def _all_gather_bytes(kwargs: dict[str, Any]) -> int:
     model = FSDP(nn.Sequential(FSDP(nn.Linear(16, 16), **kwargs), nn.Linear(16, 4)), **kwargs)
     model(torch.randn(2, 16)).float().sum().backward()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import logging
+import re
 
 import pytest
 import torch
@@ -68,6 +70,75 @@ def test_inner_full_params_freed_after_forward(pool: RankPool) -> None:
         assert after[1] == 0, "inner full parameter storage is freed after forward"
         assert after[2] == 72 // pool.world_size, "flat_param.data is the local shard after forward"
         assert all(size == 0 for _, size, _ in end), "every full parameter is freed after backward"
+
+
+def _has_full_params(reshard_after_forward: bool) -> dict[str, object]:
+    """fairscale's ``has_full_params`` of the root and an inner unit at each point of a step, and
+    ``_print_r0`` logged on rank 0 only."""
+    import logging
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2))
+    model[1] = FSDP(model[1], reshard_after_forward=reshard_after_forward)
+    root = FSDP(model)
+    inner = root.module[1]
+    opt = torch.optim.SGD(root.parameters(), lr=0.1)
+    seen: dict[str, object] = {}
+
+    def look(when: str) -> None:
+        seen[when] = (root.has_full_params, inner.has_full_params)
+
+    inner.module.register_forward_hook(lambda *_: look("inner_forward"))
+    look("built")
+    out = root(torch.randn(4, 8))
+    look("after_forward")
+    out.sum().backward()
+    look("after_backward")
+    root(torch.randn(4, 8))
+    look("after_forward_2")
+    opt.step()  # the shards change: a copy gathered before is stale
+    look("after_step")
+    with root.summon_full_params():
+        look("summon")
+    look("after_summon")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("fsdp")
+    logger.addHandler(handler)
+    previous, logger.level = logger.level, logging.INFO
+    try:
+        root._print_r0("step 3", restart=True)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    seen["logged"] = [(r.levelno, r.getMessage()) for r in records]
+    return seen
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_has_full_params_and_print_r0(pool: RankPool, reshard_after_forward: bool) -> None:
+    kept = not reshard_after_forward  # the inner unit keeps its gathered copy from forward to backward
+    for rank, seen in enumerate(pool.run(_has_full_params, reshard_after_forward)):
+        assert seen["built"] == (False, False)
+        assert seen["inner_forward"] == (True, True)
+        assert seen["after_forward"] == (True, kept), "the root keeps its full parameters for backward"
+        assert seen["after_backward"] == (False, False)
+        assert seen["after_forward_2"] == (True, kept)
+        assert seen["after_step"] == (False, False), "a copy of shards that changed since is not full"
+        assert seen["summon"] == (True, True)
+        assert seen["after_summon"] == (False, False)
+        logged = seen["logged"]
+        if rank:
+            assert logged == [], logged
+        else:
+            ((level, message),) = logged  # type: ignore[misc]
+            assert level == logging.INFO
+            assert re.fullmatch(
+                r"step 3 unsharded cur= ?\d+\.\d{4} GB, max= ?\d+\.\d{4} GB, t=0\.0 s", message
+            ), message
 
 
 def _state_dict_roundtrip() -> dict[str, object]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import logging
 import pickle
 import re
 import subprocess
@@ -264,6 +265,35 @@ def test_fairscale_attributes_are_readable(single_rank_group: None) -> None:
         not plain.mixed_precision and plain.compute_dtype == torch.float32 and not plain.fp32_reduce_scatter
     )
     assert fsdp.get_fsdp_instances(FSDP(FSDP(nn.Linear(2, 2))), skip_empty=True)[0].handles
+
+
+def test_fairscale_state_flags_and_print_r0(
+    single_rank_group: None, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``_require_backward_grad_sync`` (False inside no_sync, on every wrapper of the tree) and
+    ``_print_r0``, which logs at INFO instead of printing. ``has_full_params``: tests/distributed/test_state.py."""
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 1)))
+    inner = model.module[0]
+    assert model._require_backward_grad_sync and inner._require_backward_grad_sync
+    model(torch.ones(2, 3)).sum().backward()
+    with model.no_sync():
+        assert not model._require_backward_grad_sync and not inner._require_backward_grad_sync
+        model(torch.ones(2, 3)).sum().backward()
+    assert model._require_backward_grad_sync and inner._require_backward_grad_sync
+    with pytest.raises(AttributeError):
+        model._require_backward_grad_sync = False
+
+    model._tstart -= 100.0  # constructed 100 s ago
+    with caplog.at_level(logging.INFO, logger="fsdp"):
+        model._print_r0("since construction")
+        model._print_r0("restarted", restart=True)
+    assert [(r.name, r.levelno) for r in caplog.records] == [("fsdp._fairscale_attrs", logging.INFO)] * 2
+    first, second = (r.getMessage() for r in caplog.records)
+    assert re.fullmatch(
+        r"since construction unsharded cur= ?\d+\.\d{4} GB, max= ?\d+\.\d{4} GB, t=10\d\.\d s", first
+    )
+    assert second.startswith("restarted unsharded cur=") and second.endswith("t=0.0 s"), second
+    assert capsys.readouterr() == ("", "")
 
 
 def test_a_wrapped_module_keeps_its_config_attribute(single_rank_group: None) -> None:

@@ -15,9 +15,14 @@ from fsdp.checkpoint_io import COMMIT_MARKER, CheckpointError, read_checkpoint_i
 from fsdp.consolidate import main
 
 
-def _shards(world: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, torch.Tensor]]:
+def _shards(
+    world: int, old_layout: bool = False
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Local shards and metadata as ``world`` ranks would write them for one wrapper at "block" owning
-    ``w`` (2x3) and ``b`` (2), with ``b2`` tied to ``b``, and a buffer ``n`` (long) saved as int32."""
+    ``w`` (2x3) and ``b`` (2), with ``b2`` tied to ``b``, and a buffer ``n`` (long) saved as int32.
+
+    ``old_layout``: the metadata of earlier versions, with ``shard_rank`` / ``shard_world_size`` in the
+    flat parameter's entry rather than in the wrapper's."""
     w, b = torch.arange(6.0).view(2, 3), torch.tensor([6.0, 7.0])
     flat = torch.cat([w.reshape(-1), b])  # 8 elements
     chunk = -(-8 // world)
@@ -25,6 +30,7 @@ def _shards(world: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dic
     weights, metadata = [], []
     for r in range(world):
         weights.append({"block.flat_param_0": padded[r * chunk : (r + 1) * chunk], "n": torch.tensor(3)})
+        place = {"shard_rank": r, "shard_world_size": world}
         metadata.append(
             {
                 "rank": r,
@@ -39,11 +45,11 @@ def _shards(world: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dic
                                 "shapes": [(2, 3), (2,)],
                                 "numels": [6, 2],
                                 "padding": max(0, min((r + 1) * chunk, chunk * world) - max(8, r * chunk)),
-                                "shard_rank": r,
-                                "shard_world_size": world,
+                                **(place if old_layout else {}),
                             }
                         },
                         "shared_param_info": [("block.b", "block.b2")],
+                        **({} if old_layout else place),
                     }
                 ],
                 "buffer_names": ["n"],
@@ -54,9 +60,10 @@ def _shards(world: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dic
     return weights, metadata, {"block.w": w, "block.b": b, "block.b2": b, "n": torch.tensor(3)}
 
 
+@pytest.mark.parametrize("old_layout", [False, True])
 @pytest.mark.parametrize("world", [1, 3, 5])
-def test_consolidate_shard_weights_unpads_and_reassembles(world: int) -> None:
-    weights, metadata, expected = _shards(world)
+def test_consolidate_shard_weights_unpads_and_reassembles(world: int, old_layout: bool) -> None:
+    weights, metadata, expected = _shards(world, old_layout)
     # any order: the ranks are in the metadata
     out = FSDP.consolidate_shard_weights(weights[::-1], metadata[::-1])
     assert list(out) == list(expected)
@@ -64,6 +71,25 @@ def test_consolidate_shard_weights_unpads_and_reassembles(world: int) -> None:
     assert out["block.b2"] is out["block.b"], "tied names share one tensor, as in a plain state dict"
     no_buffers = FSDP.consolidate_shard_weights(weights, metadata, with_module_buffers=False)
     assert "n" not in no_buffers
+
+
+@pytest.mark.parametrize("old_layout", [False, True])
+def test_shard_places_are_read_from_either_layout(old_layout: bool) -> None:
+    """The shard places (``shard_rank``, ``shard_world_size``) win over the ranks (they differ under
+    NO_SHARD and HYBRID_SHARD), read from the wrapper's entry, or from each flat parameter's entry in
+    metadata saved by earlier versions."""
+    weights, metadata, expected = _shards(2, old_layout)
+    for r, m in enumerate(metadata):  # the file of rank r holds shard r but comes from rank 1 - r
+        m["rank"] = 1 - r
+    out = FSDP.consolidate_shard_weights(weights, metadata)
+    assert all(torch.equal(out[k], v) for k, v in expected.items())
+    for m in metadata:
+        unit = m["param_metadata"][0]
+        (unit["params"]["flat_param_0"] if old_layout else unit)["shard_world_size"] = 3
+    with pytest.raises(
+        ValueError, match=r"sharded over 3 ranks but the shards of rank\(s\) \[2\] are missing"
+    ):
+        FSDP.consolidate_shard_weights(weights, metadata)
 
 
 def test_consolidate_shard_weights_errors_say_what_is_wrong() -> None:
