@@ -592,8 +592,8 @@ class FullyShardedDataParallel(
                 if not w._context_is_idle():
                     raise RuntimeError(
                         f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
-                        "root of its own and is not done with it (its backward, or its no_sync(), is not over). "
-                        "Finish that step before the outer wrapper's first forward"
+                        "root of its own and is not done with it (it is inside its own no_sync()). Leave that "
+                        "no_sync() before the outer wrapper's first forward"
                     )
                 w._release_context()
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
