@@ -113,6 +113,23 @@ def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
     return _record_function(name) if _profiling() else contextlib.nullcontext()
 
 
+class _GraphToken:
+    """Stands for one forward's graph: held by the hooks on its outputs, so it dies with the graph.
+    See [Note: gradient accumulators] in fsdp/handle.py."""
+
+
+class _OutputHook:
+    """The pre-backward hook on a forward's outputs, holding that forward's token."""
+
+    __slots__ = ("fn", "token")
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], token: Any) -> None:
+        self.fn, self.token = fn, token
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return self.fn(grad)
+
+
 class _RootContext:
     """State shared by every wrapper under one root, created once at the root's lazy init."""
 
@@ -411,11 +428,9 @@ class FullyShardedDataParallel(
         if sync_module_states:
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
             broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
-        for handle in self.handles:
+        for handle in self.handles:  # (hooked on the nodes forward finds: [Note: gradient accumulators])
             if handle.requires_grad:
-                handle.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    self._make_post_backward_hook(handle)
-                )
+                handle.on_accumulated = self._make_post_backward_hook(handle)
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
@@ -658,6 +673,8 @@ class FullyShardedDataParallel(
         scheduler = self._ctx.scheduler
         if self._is_root:
             scheduler.start_iteration()
+        # lives as long as this forward's graph (the hooks on its outputs hold it): see [Note: gradient accumulators]
+        token = _GraphToken() if grad_enabled else None
         with self._state(TrainingState.FORWARD), record_function("FSDP::forward"):
             try:
                 with record_function("FSDP::all_gather"):
@@ -669,6 +686,8 @@ class FullyShardedDataParallel(
                     for h in self.handles:
                         h.unshard()
                         h.use_full_views(as_parameters=False, before_concat=hook)
+                        if token is not None:
+                            h.note_accumulator(token)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
@@ -682,7 +701,7 @@ class FullyShardedDataParallel(
                     free_unused_prefetches([h for w in self._ctx.wrappers for h in w.handles])
                     SideCopies.synchronize_all()  # no backward follows to wait for the host copies
             if grad_enabled:
-                self._register_pre_backward_hooks(outputs)
+                self._register_pre_backward_hooks(outputs, token)
         if precision.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
@@ -697,6 +716,8 @@ class FullyShardedDataParallel(
         for h in self.handles:
             h.unshard()
             h.use_full_views(as_parameters=False)
+            if torch.is_grad_enabled():
+                h.note_accumulator(None)
         return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -720,14 +741,15 @@ class FullyShardedDataParallel(
                 args, kwargs = cast_inputs((args, kwargs), low, torch.float32, detach=False)
         return args, kwargs
 
-    def _register_pre_backward_hooks(self, outputs: Any) -> None:
+    def _register_pre_backward_hooks(self, outputs: Any, token: Any = None) -> None:
         hooked = 0
         opaque: list[Any] = []
+        pre_backward = _OutputHook(self._pre_backward_hook, token)
 
         def hook(t: torch.Tensor) -> None:
             nonlocal hooked
             if t.requires_grad:
-                t.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
+                t.register_hook(pre_backward)  # type: ignore[no-untyped-call]
                 hooked += 1
 
         visit_tensors(outputs, hook, opaque)
@@ -769,14 +791,15 @@ class FullyShardedDataParallel(
                 h.unshard()
                 h.prepare_gradient_for_backward()
                 h.use_full_views(as_parameters=False)
+                h.note_accumulator(None)  # (a forward recomputed in this backward reads these views)
         return grad
 
-    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
-        # weak references: the flat parameter keeps its hooks alive, and a hook holding the wrapper
-        # would keep the wrapper (and its shards) alive for good
+    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
+        # weak references: the handle keeps this alive, and the AccumulateGrad nodes' hooks reach it;
+        # holding the wrapper here would keep the wrapper (and its shards) alive for good
         wrapper, unit = weakref.ref(self), weakref.ref(handle)
 
-        def post_backward_hook(param: torch.Tensor) -> None:
+        def post_backward_hook() -> None:
             w, h = wrapper(), unit()
             if w is not None and h is not None:
                 w._post_backward(h)
@@ -841,6 +864,7 @@ class FullyShardedDataParallel(
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.reduced_this_backward = False
+                    h.end_backward_accumulators()
                 w._pre_backward_done = False
                 w.training_state = TrainingState.IDLE
 

@@ -210,9 +210,15 @@ def test_low_precision_all_gather_moves_half_the_bytes(pool: RankPool) -> None:
         assert all(2 * lo == hi for lo, hi in zip(low, fp32)), (low, fp32)
 
 
-def _numerics(fp32_reduce_scatter: bool) -> dict[str, float]:
+def _numerics(fp32_reduce_scatter: bool, forwards: int = 1) -> dict[str, float]:
     """FSDP bf16 vs a hand-made reference: fp32 master copy, bf16 compute on each rank's slice,
-    gradient sum (in bf16, or fp32) with the same pre/post division, SGD on the fp32 master."""
+    gradient sum (in bf16, or fp32) with the same pre/post division, SGD on the fp32 master. With
+    ``forwards=2`` each rank's slice goes through the model in two forwards before one backward
+    (see [Note: gradient accumulators] in fsdp/handle.py)."""
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return sum((m(part).float().pow(2).mean() for part in x.chunk(forwards)), torch.zeros(()))
+
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -229,21 +235,21 @@ def _numerics(fp32_reduce_scatter: bool) -> dict[str, float]:
     per = 4
     for step in range(4):
         x = torch.randn(per * world, 8, generator=torch.Generator().manual_seed(step))
-        model(x[rank * per : (rank + 1) * per]).float().pow(2).mean().backward()
+        loss(model, x[rank * per : (rank + 1) * per]).backward()
         opt.step()
         opt.zero_grad()
         # reference: every rank's slice in bf16, summed in bf16 as the reduce-scatter does
         total: list[torch.Tensor] | None = None
         for r in range(world):
             low = copy.deepcopy(master).to(BF16)
-            low(x[r * per : (r + 1) * per].to(BF16)).float().pow(2).mean().backward()
+            loss(low, x[r * per : (r + 1) * per].to(BF16)).backward()
             grads = [(p.grad.float() if fp32_reduce_scatter else p.grad) / pre for p in low.parameters()]
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
         assert total is not None
         for p, g in zip(master.parameters(), total):
             p.grad = (g / post).float()
         master_opt.step()
-        fp32(x).pow(2).mean().backward()
+        sum(loss(fp32, x[r * per : (r + 1) * per]) for r in range(world)).div(world).backward()
         fp32_opt.step()
         fp32_opt.zero_grad()
     sd = model.state_dict()
@@ -254,15 +260,15 @@ def _numerics(fp32_reduce_scatter: bool) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("pool", "fp32_reduce_scatter"),
+    ("pool", "fp32_reduce_scatter", "forwards"),
     # in bf16 the sum's rounding depends on the order gloo adds in: unambiguous only for 2 ranks
-    [(2, False), (2, True), (3, True)],
+    [(2, False, 1), (2, True, 1), (3, True, 1), (2, False, 2)],
     indirect=["pool"],
 )
 def test_bf16_numerics_match_a_hand_made_mixed_precision_reference(
-    pool: RankPool, fp32_reduce_scatter: bool
+    pool: RankPool, fp32_reduce_scatter: bool, forwards: int
 ) -> None:
-    for r in pool.run(_numerics, fp32_reduce_scatter):
+    for r in pool.run(_numerics, fp32_reduce_scatter, forwards):
         assert r["vs_reference"] <= 1e-3, r
         assert r["vs_fp32"] >= 1e-4, f"low precision was not really used: {r}"
         assert r["vs_reference"] * 10 <= r["vs_fp32"], r
@@ -502,3 +508,29 @@ def test_input_containers_keep_their_types() -> None:
         "immutable ones are rebuilt"
     )
     assert frozen["x"][0].dtype == BF16
+
+
+def _hooked_nodes_after_forwards_without_backward() -> list[int]:
+    """Forwards with grad enabled whose graphs are dropped (an evaluation that forgot no_grad)
+    leave no hooked AccumulateGrad nodes behind: each is let go once its graph is gone."""
+    torch.manual_seed(0)
+    model = FSDP(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), mixed_precision=True, compute_dtype=BF16
+    )
+    (handle,) = model.handles
+    counts = []
+    for _ in range(5):
+        model(torch.randn(2, 4)).sum()  # a new node each time (the dtype of .data changes)
+        counts.append(len(handle._accumulators))
+    kept = model(torch.randn(2, 4)).sum()
+    counts.append(len(handle._accumulators))
+    kept.backward()  # the one graph kept still reduces
+    counts.append(len(handle._accumulators))
+    counts.append(int(handle.flat_param.grad is not None))
+    return counts
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_forwards_without_backward_leave_no_hooked_nodes(pool: RankPool) -> None:
+    (counts,) = pool.run(_hooked_nodes_after_forwards_without_backward)
+    assert counts == [1, 1, 1, 1, 1, 1, 0, 1], counts
