@@ -4,7 +4,8 @@ the helpers they share. Never imports the wrapper.
 - :class:`Layout` (built by :func:`describe`): every wrapper's flat parameters, every original
   parameter (by its name in the unwrapped model, in ``named_parameters()`` order), the ignored
   parameters (plain ones, see [Note: ignored modules] in ``fsdp/flat_param.py``), every persistent
-  buffer, and the unwrapped model's ``state_dict()`` keys.
+  buffer, the unwrapped model's ``state_dict()`` keys, and each managed parameter's key by its name
+  in its flat parameter (``plain_names``: without torch's activation wrapper levels).
 - :func:`agree`: every rank raises the same error, before a step whose collectives only match if
   every rank takes part.
 - Row sharding: an original parameter as a ``Shard(0)`` DTensor over the data-parallel group
@@ -152,6 +153,9 @@ class Layout:
     items: tuple[FlatParamHandle | IgnoredSlot, ...] = ()  # what model.parameters() yields, in its order
     positions: Mapping[str, int] = dataclasses.field(default_factory=dict)  # primary name -> index in the
     # unwrapped model's named_parameters() (managed and ignored together)
+    plain_names: Mapping[tuple[int, str], str] = dataclasses.field(default_factory=dict)  # (id(handle),
+    # a parameter's fqn in its flat parameter, relative to the wrapped module) -> its state_dict() key:
+    # without the levels of torch's activation wrappers, which their hooks hide from the keys
 
     def handles(self) -> list[FlatParamHandle]:
         return [h for u in self.units for h in u.handles]
@@ -206,6 +210,7 @@ def describe(
     ignored: dict[int, tuple[nn.Module, str, list[str]]] = {}  # id(parameter) -> where first met, its names
     met: list[tuple[FlatParamHandle, int] | int] = []  # managed slots and ignored ids, first met first
     items: list[FlatParamHandle | int] = []  # handles and ignored ids in model.parameters() order
+    plain: dict[tuple[int, str], str] = {}  # (id(handle), fqn in it) -> state_dict() key
 
     # A depth-first walk in nn.Module.state_dict's order (a module's parameters, its buffers, then
     # each child's subtree), with an explicit stack: a recursive closure would be a reference cycle
@@ -256,6 +261,7 @@ def describe(
                 order.append(loc)
                 met.append(loc)
             names[slot_key].append(prefix + pname)
+            plain.setdefault((id(loc[0]), rel + pname), prefix + pname)
             keys.append(prefix + pname)
         for bname, b in m._buffers.items():
             if b is None or bname in m._non_persistent_buffers_set:
@@ -299,6 +305,7 @@ def describe(
         tuple(ignored_slots.values()),
         tuple(ignored_slots[x] if isinstance(x, int) else x for x in items),
         positions,
+        plain,
     )
 
 

@@ -136,6 +136,18 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
     return _IncompatibleKeys(missing, unexpected)
 
 
+def _name_in(layout: Layout, path: str, handle: FlatParamHandle, fqn: str) -> str:
+    """The ``state_dict()`` key of the parameter that ``handle`` holds under ``fqn``, relative to its
+    wrapper's ``path`` (fairscale's consolidator joins the two with a dot): the name in the flat
+    parameter without the levels of torch's activation checkpoint / offload wrappers, whose hooks hide
+    them from ``state_dict()``. (A plain child that happens to be called like their attribute keeps
+    its level.)"""
+    key = layout.plain_names.get((id(handle), fqn))
+    if key is None or (path and not key.startswith(path + ".")):  # (not met by the walk: as it is)
+        return fqn
+    return key[len(path) + 1 :] if path else key
+
+
 def local_metadata_dict(layout: Layout) -> dict[str, Any]:
     """What :func:`consolidate_shard_weights` needs to rebuild full parameters from local shards.
 
@@ -147,6 +159,10 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
     size under ``NO_SHARD`` and ``HYBRID_SHARD``) is written beside ``fsdp_path`` in the unit's
     entry, where fairscale reads only the keys it knows. See :func:`consolidate_shard_weights` for
     the older layout, with those two keys in every flat parameter's entry.
+
+    Parameter names (``names``, ``shared_param_info``) are ``state_dict()``'s, relative to the
+    wrapper's ``fsdp_path``: without the level of torch's activation checkpoint / offload wrappers
+    (earlier versions kept it, and their metadata consolidates under those names, as it did).
     """
     units = []
     for unit in layout.units:
@@ -154,13 +170,16 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
         shared = []
         for i, h in enumerate(unit.handles):
             params[f"flat_param_{i}"] = {  # fairscale's keys in fairscale's order: nothing else here
-                "names": [p.fqn for p in h.meta.params],
+                "names": [_name_in(layout, unit.path, h, p.fqn) for p in h.meta.params],
                 "shapes": [tuple(p.shape) for p in h.meta.params],
                 "numels": [p.numel for p in h.meta.params],
                 "padding": h.spec.pad,
             }
             shared += [
-                (_join(unit.path, h.meta.params[s.primary].fqn), _join(unit.path, s.fqn))
+                (
+                    _join(unit.path, _name_in(layout, unit.path, h, h.meta.params[s.primary].fqn)),
+                    _join(unit.path, _name_in(layout, unit.path, h, s.fqn)),
+                )
                 for s in h.meta.shared
             ]
         # one shard group per wrapper; a wrapper without parameters has no shards (rank 0 of 1)

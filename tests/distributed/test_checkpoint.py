@@ -3,6 +3,7 @@ offline, and turns every kind of broken checkpoint into the same clear error on 
 
 from __future__ import annotations
 
+import copy
 import fractions
 import json
 import shutil
@@ -266,6 +267,107 @@ def test_fairscale_consolidates_our_shards(pool: RankPool) -> None:
         # fairscale copies the ties of the last wrapper it lists only: the root's tie of "tied" is not there
         assert set(theirs) == set(ours) - ({"head.weight"} if case == "tied" else set()), case
         assert all(torch.equal(v, ours[k]) and v.dtype == ours[k].dtype for k, v in theirs.items()), case
+
+
+class _TiedBlock(nn.Module):
+    """Two linears sharing a weight, and a buffer-holding norm: each kind of state under one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.b(torch.relu(self.a(x))))
+
+
+def _checkpointed_net(case: str) -> nn.Module:
+    """The plain model of each case: with "inside", the first linear is tied to the block too (one
+    unit holds it all, so the tie crosses the checkpoint wrapper's level)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), _TiedBlock(), nn.Linear(4, 2))
+    if case == "inside":
+        net[0].weight = net[1].a.weight
+    return net
+
+
+def _checkpointed_local_shards(case: str) -> dict[str, Any]:
+    """torch's checkpoint wrapper inside the root's unit ("inside", with bf16 mixed precision), at the
+    boundary inside a unit ("unit": wrapper(checkpoint(block))), outside it ("outside") and around the
+    root's whole module ("root")."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    net = _checkpointed_net(case)
+    if case == "inside":
+        apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, _TiedBlock))
+        model = FSDP(net, mixed_precision=True, compute_dtype=torch.bfloat16)
+    elif case == "unit":
+        net[1] = FSDP(checkpoint_wrapper(net[1]))
+        model = FSDP(net)
+    elif case == "outside":
+        net[1] = checkpoint_wrapper(FSDP(net[1]))
+        model = FSDP(net)
+    else:
+        model = FSDP(checkpoint_wrapper(net))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    model(torch.randn(8, 4, generator=g)).square().sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    weights = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.local_state_dict().items()
+    }
+    return {"weights": weights, "metadata": model.local_metadata_dict(), "state_dict": model.state_dict()}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("case", ["inside", "unit", "outside", "root"])
+def test_consolidation_around_torchs_checkpoint_wrapper_equals_state_dict(pool: RankPool, case: str) -> None:
+    """The metadata names parameters (tied ones too) as state_dict() does, without the checkpoint
+    wrapper's level: consolidation, ours and fairscale's, gives state_dict()'s keys, which load
+    strictly into the plain model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
+
+    results = pool.run(_checkpointed_local_shards, case)
+    expected = results[0]["state_dict"]
+    plain = _checkpointed_net(case)
+    assert list(expected) == list(plain.state_dict())
+    weights = [r["weights"] for r in results]
+    metadata = [r["metadata"] for r in results]
+    ours = FSDP.consolidate_shard_weights(weights, metadata)
+    assert list(ours) == list(expected)
+    assert all(torch.equal(ours[k], v) and ours[k].dtype == v.dtype for k, v in expected.items())
+    plain.load_state_dict(ours, strict=True)
+    assert state_diff(plain.state_dict(), expected) == 0.0
+    for unit in metadata[0]["param_metadata"]:
+        for entry in unit["params"].values():
+            assert list(entry) == ["names", "shapes", "numels", "padding"]  # fairscale unpacks them so
+    theirs = FairscaleFSDP.consolidate_shard_weights(weights, metadata)
+    assert set(theirs) <= set(expected) and set(theirs) >= {n for n, _ in plain.named_parameters()}
+    assert all(torch.equal(v, ours[k]) and v.dtype == ours[k].dtype for k, v in theirs.items())
+    if case == "unit":  # metadata of earlier versions, with the level in the names, consolidates as it did
+        level = "_checkpoint_wrapped_module."
+        legacy = copy.deepcopy(metadata)
+        for meta in legacy:
+            (unit,) = [u for u in meta["param_metadata"] if u["fsdp_path"] == "1"]
+            unit["params"]["flat_param_0"]["names"] = [
+                level + n for n in unit["params"]["flat_param_0"]["names"]
+            ]
+            unit["shared_param_info"] = [
+                (a[:2] + level + a[2:], b[:2] + level + b[2:]) for a, b in unit["shared_param_info"]
+            ]
+        old = FSDP.consolidate_shard_weights(weights, legacy)
+        buffers = set(metadata[0]["buffer_names"])
+        renamed = {
+            k if k in buffers or not k.startswith("1.") else k[:2] + level + k[2:]: v
+            for k, v in expected.items()
+        }
+        assert set(old) == set(renamed) and all(torch.equal(old[k], v) for k, v in renamed.items())
 
 
 # ---------------------------------------------------------------------- raw DCP with the public methods
