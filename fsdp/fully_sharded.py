@@ -855,8 +855,10 @@ class FullyShardedDataParallel(
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
             for h in handles:
-                h.finalize_gradient()
+                # shard first: a handle that got no gradient in this backward (an unused parameter,
+                # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
                 h.reshard(free_full=ctx.sync)
+                h.finalize_gradient()
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()

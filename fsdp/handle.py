@@ -784,7 +784,8 @@ class FlatParamHandle:
                 self._saved_grad_shard = None
             return
         if self._pending is None:
-            if self._saved_grad_shard is not None:  # no new gradient this backward: restore the old one
+            # no new gradient this backward: restore the old one, once flat_param is the shard again
+            if self._saved_grad_shard is not None and self.state is MemoryState.SHARDED:
                 self.flat_param.grad = self._saved_grad_shard
                 self._saved_grad_shard = None
             if self.copies is not None and not asynchronous:

@@ -110,3 +110,55 @@ def _bitwise(strategy: str) -> dict[str, object]:
 def test_bit_for_bit_with_the_plain_model_and_ddp(pool: RankPool, strategy: str) -> None:
     for r in pool.run(_bitwise, strategy):
         assert r["losses_equal"] and r["params_equal"], r
+
+
+class _Branchy(nn.Module):
+    """``side`` runs only when asked: a parameter used in one step and not in the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.side, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(h + self.side(h) if use_side else h)
+
+
+def _unused_after_zeroed_grads(layout: str, accumulate: bool) -> float:
+    """``optimizer.zero_grad(set_to_none=False)`` leaves zero gradients; a parameter alone in its flat
+    parameter (``flatten_parameters=False``) and unused in the next step keeps its zeros, as plain
+    training does, and training goes on equal to the plain model's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _Branchy()
+    kwargs = {"use_orig_params": True} if layout == "orig" else {"flatten_parameters": layout == "flat"}
+    model = FSDP(copy.deepcopy(ref), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, use_side in enumerate([True, False, True, False]):
+        for micro in range(2 if accumulate else 1):
+            x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(10 * step + micro))
+            mine = x[4 * rank : 4 * rank + 4]
+            if accumulate and micro == 0:
+                with model.no_sync():
+                    model(mine, use_side).pow(2).mean().backward()
+            else:
+                model(mine, use_side).pow(2).mean().backward()
+            (ref(x, use_side).pow(2).mean() / (2 if accumulate else 1)).backward()
+        if accumulate:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(2)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+    full = model.state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("layout", ["flat", "unflat", "orig"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "no_sync"])
+def test_a_parameter_unused_after_zeroed_gradients(pool: RankPool, layout: str, accumulate: bool) -> None:
+    assert max(pool.run(_unused_after_zeroed_grads, layout, accumulate)) <= 1e-5
