@@ -47,6 +47,7 @@ __all__ = [
     "make_placeholder",
     "mark_flattened",
     "own_parameters",
+    "resharded_in_backward",
     "set_module_tensor",
     "unflatten_views",
     "unsynced",
@@ -218,12 +219,26 @@ class _ShardedPlaceholder(torch.Tensor):
         what = {"__set__": f"setting .{attr}", "__get__": f"reading .{attr}"}.get(
             func.__name__, f"{func.__name__}()"
         )
+        if torch._C._current_graph_task_id() >= 0:  # inside a backward: a forward recomputed too late
+            raise RuntimeError(resharded_in_backward(f"{what} on {name!r}"))
         raise RuntimeError(
             f"FullyShardedDataParallel: {what} on {name!r}, which is sharded: outside the wrapper's forward and "
             "backward a wrapped module's parameters are meta-device stand-ins with no values, and the operation "
             "would be ignored. Read or change full parameters inside `with model.summon_full_params():`; freeze "
             "or initialize parameters before wrapping; call the wrapper, not its inner module (`model.module(x)`)"
         )
+
+
+def resharded_in_backward(what: str) -> str:
+    """The error for a parameter used in backward after its wrapper reduced and resharded."""
+    return (
+        f"FullyShardedDataParallel: {what} during backward, after the wrapper that owns it reduced its "
+        "gradient and resharded: the wrapper's gradient came in more than one backward. torch's reentrant "
+        "activation checkpointing (use_reentrant=True, CheckpointImpl.REENTRANT) inside a wrapper does that, "
+        "each checkpointed region running its own backward, unless it holds all of the wrapper's parameters "
+        "and runs once. Use use_reentrant=False / CheckpointImpl.NO_REENTRANT, or give each checkpointed "
+        "block a wrapper of its own"
+    )
 
 
 def make_placeholder(name: str, shape: torch.Size, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:

@@ -77,6 +77,7 @@ from fsdp.flat_param import (
     mark_flattened,
     own_parameters,
     registrations,
+    resharded_in_backward,
     unsynced,
 )
 from fsdp.handle import (
@@ -813,9 +814,15 @@ class FullyShardedDataParallel(
                 f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
                 "Compute the loss from the outputs of the FSDP forward"
             )
-        self.training_state = TrainingState.BACKWARD_POST
         ctx = self._ctx
         assert ctx is not None
+        if handle.reduced_this_backward:  # (a part of its gradient came after the reduction)
+            raise RuntimeError(
+                resharded_in_backward(
+                    f"a gradient reached the parameters of {wrapper_path(ctx.wrappers[0], self)!r}"
+                )
+            )
+        self.training_state = TrainingState.BACKWARD_POST
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
             handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)

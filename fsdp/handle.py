@@ -160,8 +160,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # forward that made it (a token held by the hooks on that forward's outputs, so it dies with the
 # graph); when a node has run, the post-backward runs only if no other hooked node of a live graph
 # is still to run in this backward (``torch._C._will_engine_execute_node``). Nodes made in backward
-# (the views a recomputed forward reads) count for that backward only; nodes of graphs dropped
-# without a backward are let go at the next forward.
+# (the views a recomputed forward reads) count for that backward only; a node of a graph still alive
+# after its backward stays hooked (``retain_graph=True`` runs it again); nodes of graphs dropped are
+# let go at the next forward or backward.
 
 
 class _Accumulator:
@@ -517,10 +518,15 @@ class FlatParamHandle:
             self.on_accumulated()
 
     def end_backward_accumulators(self) -> None:
-        """End of backward: let go of the nodes that ran or were made in it; keep those of graphs
-        still alive, for their own backward."""
-        for key in [k for k, a in self._accumulators.items() if a.fired or a.in_backward]:
-            self._drop_accumulator(key)
+        """End of backward: let go of the nodes made in it and of those no live graph reaches; keep
+        the others, ready to run again (a graph still alive, for its own backward or for another
+        backward through it with ``retain_graph=True``)."""
+        for key, acc in list(self._accumulators.items()):
+            acc.in_backward = False
+            if any(t() is not None for t in acc.tokens):
+                acc.fired = False
+            else:
+                self._drop_accumulator(key)
 
     def _drop_accumulator(self, key: int) -> None:
         acc = self._accumulators.pop(key)

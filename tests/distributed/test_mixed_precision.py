@@ -525,12 +525,44 @@ def _hooked_nodes_after_forwards_without_backward() -> list[int]:
     kept = model(torch.randn(2, 4)).sum()
     counts.append(len(handle._accumulators))
     kept.backward()  # the one graph kept still reduces
-    counts.append(len(handle._accumulators))
     counts.append(int(handle.flat_param.grad is not None))
+    counts.append(len(handle._accumulators))  # its node stays hooked while `kept` holds the graph
+    del kept
+    model(torch.randn(2, 4)).sum()
+    counts.append(len(handle._accumulators))  # and is let go once the graph is gone
     return counts
 
 
 @pytest.mark.parametrize("pool", [1], indirect=True)
 def test_forwards_without_backward_leave_no_hooked_nodes(pool: RankPool) -> None:
     (counts,) = pool.run(_hooked_nodes_after_forwards_without_backward)
-    assert counts == [1, 1, 1, 1, 1, 1, 0, 1], counts
+    assert counts == [1, 1, 1, 1, 1, 1, 1, 1, 1], counts
+
+
+def _retained_graph_twice(forwards: int) -> float:
+    """Two backwards through one retained graph add the gradient twice, also where the forward's
+    AccumulateGrad node is not the one the parameter has at the second backward (mixed precision)."""
+
+    def flat_grad(backwards: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = FSDP(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+            mixed_precision=True,
+            compute_dtype=BF16,
+        )
+        x = torch.randn(4, 8)
+        loss = sum((model(part).float().pow(2).mean() for part in x.chunk(forwards)), torch.zeros(()))
+        for i in range(backwards):
+            loss.backward(retain_graph=i < backwards - 1)
+        assert model.flat_param_0.grad is not None
+        return model.flat_param_0.grad.clone()
+
+    once, twice = flat_grad(1), flat_grad(2)
+    assert once.abs().max() > 0
+    return (twice - 2 * once).abs().max().item()
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("forwards", [1, 2])
+def test_two_backwards_through_a_retained_graph(pool: RankPool, forwards: int) -> None:
+    assert pool.run(_retained_graph_twice, forwards) == [0.0, 0.0]

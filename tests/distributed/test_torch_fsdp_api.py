@@ -733,3 +733,31 @@ def test_inside_a_rank0_only_summon_names_hold_and_state_dict_is_refused_everywh
     for r in pool.run(_rank0_only_misuse):
         assert r["names"] == ["0.bias", "0.weight", "1.bias", "1.weight"], "original names on every rank"
         assert "inside summon_full_params(rank0_only=True)" in r["error"], "every rank refuses (none gathers)"
+
+
+def _reentrant_inside_a_unit(case: str) -> str:
+    """torch's reentrant checkpointing inside a unit runs a backward per checkpointed region, so the
+    unit's gradient comes in parts: refused with a message that says what to do, on every rank."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4))
+    )
+    net[1] = checkpoint_wrapper(net[1], checkpoint_impl=CheckpointImpl.REENTRANT)
+    if case == "two_regions":
+        net[2] = checkpoint_wrapper(net[2], checkpoint_impl=CheckpointImpl.REENTRANT)
+    model = FSDP(net)
+    try:
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("case", ["one_region", "two_regions"])
+def test_reentrant_checkpointing_inside_a_unit_says_what_to_do(pool: RankPool, case: str) -> None:
+    for msg in pool.run(_reentrant_inside_a_unit, case):
+        assert "during backward, after the wrapper that owns it reduced its gradient" in msg, msg
+        assert "CheckpointImpl.NO_REENTRANT" in msg, msg
