@@ -179,7 +179,13 @@ class _Accumulator:
 
     def may_run(self) -> bool:
         """Not run yet, and a live graph (or the backward that made it) may still reach it."""
-        return not self.fired and (self.in_backward or any(t() is not None for t in self.tokens))
+        return not self.fired and (self.in_backward or self.alive())
+
+    def alive(self) -> bool:
+        """A forward's graph that reaches it is alive; the tokens of dead ones are let go (a node
+        every step's forward reaches, as in fp32, would otherwise collect one per step)."""
+        self.tokens = [t for t in self.tokens if t() is not None]
+        return bool(self.tokens)
 
 
 class FlatParamHandle:
@@ -523,7 +529,7 @@ class FlatParamHandle:
         backward through it with ``retain_graph=True``)."""
         for key, acc in list(self._accumulators.items()):
             acc.in_backward = False
-            if any(t() is not None for t in acc.tokens):
+            if acc.alive():
                 acc.fired = False
             else:
                 self._drop_accumulator(key)

@@ -566,3 +566,22 @@ def _retained_graph_twice(forwards: int) -> float:
 @pytest.mark.parametrize("forwards", [1, 2])
 def test_two_backwards_through_a_retained_graph(pool: RankPool, forwards: int) -> None:
     assert pool.run(_retained_graph_twice, forwards) == [0.0, 0.0]
+
+
+def _tokens_per_node_after_steps() -> list[int]:
+    """In fp32 every step's forward reaches the same AccumulateGrad node: it keeps the forwards of
+    live graphs only, not one per step."""
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    (handle,) = model.handles
+    sizes = []
+    for _ in range(6):
+        loss = model(torch.randn(2, 4)).sum()  # the previous step's graph dies here
+        loss.backward()
+        sizes.append(sum(len(a.tokens) for a in handle._accumulators.values()))
+    return sizes
+
+
+@pytest.mark.parametrize("pool", [1], indirect=True)
+def test_a_node_reached_every_step_keeps_live_forwards_only(pool: RankPool) -> None:
+    assert pool.run(_tokens_per_node_after_steps) == [[1] * 6]
