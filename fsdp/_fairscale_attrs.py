@@ -71,6 +71,12 @@ class FairscaleAttributes:
     _ctx: Any
     memory_stats: Callable[[], dict[str, int]]
 
+    def _context_is_idle(self) -> bool:
+        raise NotImplementedError
+
+    def _release_context(self) -> None:
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         sharding = self.fsdp_config.sharding
         numel = sum(h.meta.numel for h in self.handles)
@@ -199,6 +205,22 @@ class FairscaleAttributes:
         True. The same on every wrapper of the tree. Read-only."""
         ctx = self._ctx
         return True if ctx is None else bool(ctx.sync)
+
+    def _reset_lazy_init(self) -> None:
+        """fairscale's: forget which wrapper is the root, so that the next forward sets the tree up
+        again from the wrapper it runs on (fairseq calls it on inner wrappers before wrapping them in an
+        outer one; VISSL on every wrapper after loading a checkpoint). The whole tree this wrapper
+        belongs to is reset: it shares one context. Call it on every rank, between steps."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        root = ctx.wrappers[0]
+        if not root._context_is_idle():
+            raise RuntimeError(
+                "FullyShardedDataParallel._reset_lazy_init: called during a step (a forward, backward or "
+                "no_sync() of this wrapper tree is not over); call it between steps"
+            )
+        root._release_context()
 
     def _print_r0(self, msg: str, restart: bool = False) -> None:
         """fairscale's debugging aid: on rank 0, log ``msg`` at INFO (this module's logger) with this

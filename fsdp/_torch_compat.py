@@ -414,9 +414,34 @@ def _broadcast_object(obj: Any, layout: Any) -> Any:
 
 
 class TorchFSDPMethods:
-    """torch FSDP1's static methods on the wrapper class. Each takes the outermost wrapper as ``model``."""
+    """torch FSDP1's methods on the wrapper class. The static ones take the outermost wrapper as ``model``."""
 
     fsdp_config: FSDPConfig
+    _is_root: bool | None
+
+    @property
+    def _inside_another(self) -> bool:
+        raise NotImplementedError
+
+    def _lazy_init(self) -> None:
+        raise NotImplementedError
+
+    def check_is_root(self) -> bool:
+        """torch FSDP1's: whether this wrapper is the root (outermost) one. Before the first forward
+        the outermost wrapper becomes the root here, as the first forward would make it (collective
+        then: the ranks compare their wrapper trees)."""
+        if self._is_root is None and not self._inside_another:
+            self._lazy_init()
+        return bool(self._is_root)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch FSDP1's gradient communication hook: not supported."""
+        raise NotImplementedError(
+            "FullyShardedDataParallel.register_comm_hook is not supported: gradients are reduced by this library's "
+            "own reduce-scatter (all-reduce under NO_SHARD). For communication in lower precision pass "
+            "mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16); to change how gradients are averaged use "
+            "set_gradient_divide_factors"
+        )
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[Any]:

@@ -80,6 +80,7 @@ from fsdp.flat_param import (
     resharded_in_backward,
     unsynced,
 )
+from fsdp.grad_hooks import GraphToken, OutputHook
 from fsdp.handle import (
     FlatParamHandle,
     MemoryStats,
@@ -112,23 +113,6 @@ _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled"
 def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
     """A profiler range named ``name`` (``FSDP::<phase>``); free when no profiler is recording."""
     return _record_function(name) if _profiling() else contextlib.nullcontext()
-
-
-class _GraphToken:
-    """Stands for one forward's graph: held by the hooks on its outputs, so it dies with the graph.
-    See [Note: gradient accumulators] in fsdp/handle.py."""
-
-
-class _OutputHook:
-    """The pre-backward hook on a forward's outputs, holding that forward's token."""
-
-    __slots__ = ("fn", "token")
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], token: Any) -> None:
-        self.fn, self.token = fn, token
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return self.fn(grad)
 
 
 class _RootContext:
@@ -429,9 +413,9 @@ class FullyShardedDataParallel(
         if sync_module_states:
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
             broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
-        for handle in self.handles:  # (hooked on the nodes forward finds: [Note: gradient accumulators])
+        for handle in self.handles:  # See [Note: gradient accumulators] in fsdp/grad_hooks.py
             if handle.requires_grad:
-                handle.on_accumulated = self._make_post_backward_hook(handle)
+                handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
@@ -465,23 +449,6 @@ class FullyShardedDataParallel(
     def is_root(self) -> bool | None:
         """True for the wrapper that ran the first forward; None before any forward."""
         return self._is_root
-
-    def check_is_root(self) -> bool:
-        """torch FSDP1's: whether this wrapper is the root (outermost) one. Before the first forward
-        the outermost wrapper becomes the root here, as the first forward would make it (collective
-        then: the ranks compare their wrapper trees)."""
-        if self._is_root is None and not self._inside_another:
-            self._lazy_init()
-        return bool(self._is_root)
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """torch FSDP1's gradient communication hook: not supported."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.register_comm_hook is not supported: gradients are reduced by this library's "
-            "own reduce-scatter (all-reduce under NO_SHARD). For communication in lower precision pass "
-            "mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16); to change how gradients are averaged use "
-            "set_gradient_divide_factors"
-        )
 
     # ------------------------------------------------------------------ state machine
     def assert_state(self, state: TrainingState | list[TrainingState]) -> None:
@@ -557,22 +524,6 @@ class FullyShardedDataParallel(
         return self._outer is not None and self._outer() is not None
 
     # ------------------------------------------------------------------ lazy init
-    def _reset_lazy_init(self) -> None:
-        """fairscale's: forget which wrapper is the root, so that the next forward sets the tree up
-        again from the wrapper it runs on (fairseq calls it on inner wrappers before wrapping them in an
-        outer one; VISSL on every wrapper after loading a checkpoint). The whole tree this wrapper
-        belongs to is reset: it shares one context. Call it on every rank, between steps."""
-        ctx = self._ctx
-        if ctx is None:
-            return
-        root = ctx.wrappers[0]
-        if not root._context_is_idle():
-            raise RuntimeError(
-                "FullyShardedDataParallel._reset_lazy_init: called during a step (a forward, backward or "
-                "no_sync() of this wrapper tree is not over); call it between steps"
-            )
-        root._release_context()
-
     def _context_is_idle(self) -> bool:
         """This root's tree is between steps: every wrapper IDLE, no backward pending, not in no_sync()."""
         ctx = self._ctx
@@ -674,8 +625,8 @@ class FullyShardedDataParallel(
         scheduler = self._ctx.scheduler
         if self._is_root:
             scheduler.start_iteration()
-        # lives as long as this forward's graph (the hooks on its outputs hold it): see [Note: gradient accumulators]
-        token = _GraphToken() if grad_enabled else None
+        # lives as long as this forward's graph: see [Note: gradient accumulators] in fsdp/grad_hooks.py
+        token = GraphToken() if grad_enabled else None
         with self._state(TrainingState.FORWARD), record_function("FSDP::forward"):
             try:
                 with record_function("FSDP::all_gather"):
@@ -688,7 +639,7 @@ class FullyShardedDataParallel(
                         h.unshard()
                         h.use_full_views(as_parameters=False, before_concat=hook)
                         if token is not None:
-                            h.note_accumulator(token)
+                            h.accumulators.note(token)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
@@ -718,7 +669,7 @@ class FullyShardedDataParallel(
             h.unshard()
             h.use_full_views(as_parameters=False)
             if torch.is_grad_enabled():
-                h.note_accumulator(None)
+                h.accumulators.note(None)
         return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -745,7 +696,7 @@ class FullyShardedDataParallel(
     def _register_pre_backward_hooks(self, outputs: Any, token: Any = None) -> None:
         hooked = 0
         opaque: list[Any] = []
-        pre_backward = _OutputHook(self._pre_backward_hook, token)
+        pre_backward = OutputHook(self._pre_backward_hook, token)
 
         def hook(t: torch.Tensor) -> None:
             nonlocal hooked
@@ -792,7 +743,7 @@ class FullyShardedDataParallel(
                 h.unshard()
                 h.prepare_gradient_for_backward()
                 h.use_full_views(as_parameters=False)
-                h.note_accumulator(None)  # (a forward recomputed in this backward reads these views)
+                h.accumulators.note(None)  # (a forward recomputed in this backward reads these views)
         return grad
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
@@ -873,7 +824,7 @@ class FullyShardedDataParallel(
             for w in ctx.wrappers:
                 for h in w.handles:
                     h.reduced_this_backward = False
-                    h.end_backward_accumulators()
+                    h.accumulators.end_backward()
                 w._pre_backward_done = False
                 w.training_state = TrainingState.IDLE
 

@@ -68,14 +68,12 @@ gradients of every unit stay allocated inside the context.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp.api import CommConfig, MemoryState
@@ -90,6 +88,7 @@ from fsdp.flat_param import (
     set_module_tensor,
     unflatten_views,
 )
+from fsdp.grad_hooks import AccumulatorHooks
 from fsdp.sharding import ShardSpec, shard_spec
 
 __all__ = [
@@ -149,45 +148,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-# [Note: gradient accumulators]
-# Autograd adds a leaf's gradient into ``.grad`` in its AccumulateGrad node, and our post-backward
-# (reduce the full gradient, free the full parameter) must run once that gradient is complete.
-# Setting ``flat_param.data`` to a tensor of another dtype or device (the compute-dtype full buffer
-# under mixed precision, the device buffer under CPU offload, and back to the shard) makes autograd
-# give the parameter a new AccumulateGrad node, so two forwards before one backward (``loss =
-# f(model(a)) + f(model(b))``) reach ``.grad`` through two nodes, each running after its own part
-# of the gradient. Each node the forwards' views lead to is hooked (``note_accumulator``), with the
-# forward that made it (a token held by the hooks on that forward's outputs, so it dies with the
-# graph); when a node has run, the post-backward runs only if no other hooked node of a live graph
-# is still to run in this backward (``torch._C._will_engine_execute_node``). Nodes made in backward
-# (the views a recomputed forward reads) count for that backward only; a node of a graph still alive
-# after its backward stays hooked (``retain_graph=True`` runs it again); nodes of graphs dropped are
-# let go at the next forward or backward.
-
-
-class _Accumulator:
-    """One hooked AccumulateGrad node of a flat parameter. See [Note: gradient accumulators]."""
-
-    __slots__ = ("fired", "hook", "in_backward", "node", "tokens")
-
-    def __init__(self, node: Any) -> None:
-        self.node = node
-        self.hook: Any = None
-        self.fired = False
-        self.in_backward = False  # made during a backward: counts for that backward only
-        self.tokens: list[weakref.ref[Any]] = []  # the forwards whose graphs may reach it
-
-    def may_run(self) -> bool:
-        """Not run yet, and a live graph (or the backward that made it) may still reach it."""
-        return not self.fired and (self.in_backward or self.alive())
-
-    def alive(self) -> bool:
-        """A forward's graph that reaches it is alive; the tokens of dead ones are let go (a node
-        every step's forward reaches, as in fp32, would otherwise collect one per step)."""
-        self.tokens = [t for t in self.tokens if t() is not None]
-        return bool(self.tokens)
-
-
 class FlatParamHandle:
     """Owns one flat parameter: shard, full buffers, gradient stash, pending reduction."""
 
@@ -222,8 +182,7 @@ class FlatParamHandle:
     # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
     _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
     reduced_this_backward: bool
-    on_accumulated: Callable[[], None] | None  # the wrapper's post-backward for this handle
-    _accumulators: dict[int, _Accumulator]  # by id(node): see [Note: gradient accumulators]
+    accumulators: AccumulatorHooks  # the post-backward's hooks: see [Note: gradient accumulators]
 
     def __init__(
         self,
@@ -289,8 +248,7 @@ class FlatParamHandle:
         self._bucketed = False
         self.reduced_this_backward = False
         self._full_grad = None
-        self.on_accumulated = None
-        self._accumulators = {}
+        self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = [
             make_placeholder(info.fqn, info.shape, self.meta.dtype, self.meta.requires_grad)
             for info in self.meta.params
@@ -484,60 +442,6 @@ class FlatParamHandle:
                     return
                 self._shard.copy_(chunk)
             self._full_valid = False  # the shard changed under the compute buffer's feet
-
-    # ------------------------------------------------------------------ gradient accumulators
-    def note_accumulator(self, token: Any) -> None:
-        """Views for compute were just made from ``flat_param`` with grad enabled: hook the
-        AccumulateGrad node they lead to, on behalf of the forward ``token`` stands for (``None``:
-        made in backward). See [Note: gradient accumulators]."""
-        if not self.flat_param.requires_grad or self.on_accumulated is None:
-            return
-        for key in [k for k, a in self._accumulators.items() if not a.may_run()]:
-            self._drop_accumulator(key)  # (a graph dropped without a backward)
-        node = get_gradient_edge(self.flat_param).node
-        acc = self._accumulators.get(id(node))
-        if acc is None:
-            acc = self._accumulators[id(node)] = _Accumulator(node)
-            me, key = weakref.ref(self), id(node)
-
-            def ran(grad_inputs: Any, grad_outputs: Any) -> None:
-                handle = me()
-                if handle is not None:
-                    handle._accumulated(key)
-
-            acc.hook = node.register_hook(ran)
-        if token is None:
-            acc.in_backward = True
-        else:
-            acc.tokens.append(weakref.ref(token))
-
-    def _accumulated(self, key: int) -> None:
-        """A hooked node added its part of the gradient: run the post-backward unless another part
-        is still to come in this backward."""
-        acc = self._accumulators.get(key)
-        if acc is not None:
-            acc.fired = True
-        for other in self._accumulators.values():
-            if other.may_run() and torch._C._will_engine_execute_node(other.node):
-                return
-        if self.on_accumulated is not None:
-            self.on_accumulated()
-
-    def end_backward_accumulators(self) -> None:
-        """End of backward: let go of the nodes made in it and of those no live graph reaches; keep
-        the others, ready to run again (a graph still alive, for its own backward or for another
-        backward through it with ``retain_graph=True``)."""
-        for key, acc in list(self._accumulators.items()):
-            acc.in_backward = False
-            if acc.alive():
-                acc.fired = False
-            else:
-                self._drop_accumulator(key)
-
-    def _drop_accumulator(self, key: int) -> None:
-        acc = self._accumulators.pop(key)
-        if acc.hook is not None:
-            acc.hook.remove()
 
     # ------------------------------------------------------------------ module attributes
     def use_full_views(self, as_parameters: bool, before_concat: Callable[[], None] | None = None) -> None:

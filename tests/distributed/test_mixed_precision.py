@@ -214,7 +214,7 @@ def _numerics(fp32_reduce_scatter: bool, forwards: int = 1) -> dict[str, float]:
     """FSDP bf16 vs a hand-made reference: fp32 master copy, bf16 compute on each rank's slice,
     gradient sum (in bf16, or fp32) with the same pre/post division, SGD on the fp32 master. With
     ``forwards=2`` each rank's slice goes through the model in two forwards before one backward
-    (see [Note: gradient accumulators] in fsdp/handle.py)."""
+    (see [Note: gradient accumulators] in fsdp/grad_hooks.py)."""
 
     def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return sum((m(part).float().pow(2).mean() for part in x.chunk(forwards)), torch.zeros(()))
@@ -521,15 +521,15 @@ def _hooked_nodes_after_forwards_without_backward() -> list[int]:
     counts = []
     for _ in range(5):
         model(torch.randn(2, 4)).sum()  # a new node each time (the dtype of .data changes)
-        counts.append(len(handle._accumulators))
+        counts.append(len(handle.accumulators))
     kept = model(torch.randn(2, 4)).sum()
-    counts.append(len(handle._accumulators))
+    counts.append(len(handle.accumulators))
     kept.backward()  # the one graph kept still reduces
     counts.append(int(handle.flat_param.grad is not None))
-    counts.append(len(handle._accumulators))  # its node stays hooked while `kept` holds the graph
+    counts.append(len(handle.accumulators))  # its node stays hooked while `kept` holds the graph
     del kept
     model(torch.randn(2, 4)).sum()
-    counts.append(len(handle._accumulators))  # and is let go once the graph is gone
+    counts.append(len(handle.accumulators))  # and is let go once the graph is gone
     return counts
 
 
@@ -578,7 +578,7 @@ def _tokens_per_node_after_steps() -> list[int]:
     for _ in range(6):
         loss = model(torch.randn(2, 4)).sum()  # the previous step's graph dies here
         loss.backward()
-        sizes.append(sum(len(a.tokens) for a in handle._accumulators.values()))
+        sizes.append(handle.accumulators.tokens())
     return sizes
 
 
