@@ -30,6 +30,7 @@ __all__ = [
     "own_precision_modules",
     "resolve_ignored",
     "torch_fsdp_options",
+    "without_own_precision",
     "wrap_children_with_policy",
 ]
 
@@ -262,6 +263,21 @@ def own_precision_modules(
             if m is not module and isinstance(m, classes) and not ignored.has_module(m)
         ]
     return own
+
+
+def without_own_precision(
+    params: list[tuple[str, nn.Parameter]],
+    module: nn.Module,
+    policy: Any,
+    mixed_precision: Any,
+    ignored: IgnoredStates,
+) -> list[tuple[str, nn.Parameter]]:
+    """``params`` less those of the modules :func:`own_precision_modules` names, whose wrappers check
+    them: what the constructor checks for its precision before ``policy`` wraps anything."""
+    own = {
+        id(p) for m in own_precision_modules(module, policy, mixed_precision, ignored) for p in m.parameters()
+    }
+    return [(fqn, p) for fqn, p in params if id(p) not in own]
 
 
 def wrap_children_with_policy(

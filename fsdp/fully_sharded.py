@@ -39,9 +39,9 @@ from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
     TorchFSDPMethods,
-    own_precision_modules,
     resolve_ignored,
     torch_fsdp_options,
+    without_own_precision,
     wrap_children_with_policy,
 )
 from fsdp.api import (
@@ -300,13 +300,8 @@ class FullyShardedDataParallel(
 
         target = materialize_device(compute_device, params_to_cpu, groups.dp)
         collected, _, inner = collect_owned(module, is_wrapper, ignored)
-        if auto_wrap_policy is not None:  # (the wrappers of these check their parameters themselves)
-            own = {
-                id(p)
-                for m in own_precision_modules(module, auto_wrap_policy, mixed_precision, ignored)
-                for p in m.parameters()
-            }
-            collected = [(fqn, p) for fqn, p in collected if id(p) not in own]
+        if auto_wrap_policy is not None:
+            collected = without_own_precision(collected, module, auto_wrap_policy, mixed_precision, ignored)
         for path, w in inner:
             if w._inside_another:
                 raise ValueError(
