@@ -35,8 +35,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from fsdp.handle import FlatParamHandle
 from fsdp.state_layout import (
@@ -47,6 +45,7 @@ from fsdp.state_layout import (
     digest_of,
     empty_sharded,
     gather_full_flat,
+    is_dtensor,
     shard_writes,
     to_sharded,
     value_kind,
@@ -542,6 +541,8 @@ def sharded_optim_state_dict_template(
     ``storage`` is ``Metadata.state_dict_metadata``; the optimizer state sits under ``prefix``
     (e.g. ``"optim."``). Returns the template and the problems found (unknown parameters, shapes).
     """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     mesh = layout.mesh()
     slot_of: dict[str, ParamSlot | IgnoredSlot] = {s.name: s for s in layout.every_param()}
     state: dict[str, dict[str, Any]] = {}
@@ -689,7 +690,7 @@ def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer,
                 entry = plan.entries.get(h.name)
                 if entry:
                     state[next_id] = {
-                        k: v.full_tensor() if isinstance(v, DTensor) else _copy(v) for k, v in entry.items()
+                        k: v.full_tensor() if is_dtensor(v) else _copy(v) for k, v in entry.items()
                     }
                 group["params"].append(next_id)
                 next_id += 1
