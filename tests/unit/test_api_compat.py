@@ -84,14 +84,32 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
             assert default == ref_default, name
 
 
+# fairscale's state_dict and local_state_dict take (*args, **kwargs) and pass them on to
+# nn.Module.state_dict: ours must take the calls that one takes
+FORWARDED_TO_MODULE_STATE_DICT = ("state_dict", "local_state_dict")
+
+
 @pytest.mark.parametrize("name", FAIRSCALE_METHODS)
 def test_methods_take_fairscale_arguments(name: str) -> None:
-    ours = [n for n, _ in _params(getattr(FullyShardedDataParallel, name))]
     theirs = [n for n, _ in _params(getattr(FairscaleFSDP, name))]
-    # our state_dict / load_state_dict accept torch's keyword arguments besides fairscale's *args/**kwargs
-    if name in ("state_dict", "local_state_dict", "load_local_state_dict"):
-        return
-    assert ours[: len(theirs)] == theirs, name
+    if name in FORWARDED_TO_MODULE_STATE_DICT:
+        assert theirs == ["self", "args", "kwargs"], f"fairscale's {name} is no longer a plain forwarder"
+        module_keywords = [
+            (p.name, p.default)
+            for p in inspect.signature(nn.Module.state_dict).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        ]
+        assert [n for n, _ in module_keywords] == ["destination", "prefix", "keep_vars"]
+        sig = inspect.signature(getattr(FullyShardedDataParallel, name))
+        # every keyword, with nn.Module's default; and the old positional form, which fairscale passes on
+        assert [(n, sig.parameters[n].default) for n, _ in module_keywords if n in sig.parameters] == (
+            module_keywords
+        ), name
+        sig.bind(None, **dict(module_keywords))
+        sig.bind(None, None, "", False)
+    else:
+        ours = [n for n, _ in _params(getattr(FullyShardedDataParallel, name))]
+        assert ours[: len(theirs)] == theirs, name
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# Lint, not behaviour: these read the source text. Counted apart (-m lint selects them, -m "not lint" skips them).
+pytestmark = pytest.mark.lint
+
 PKG = Path(__file__).resolve().parents[2] / "fsdp"
 
 # Top to bottom: each module may import only from modules listed above it.
