@@ -44,7 +44,7 @@ python3 -c 'import fairscale; print("fairscale", fairscale.__version__)' 2>&1 | 
 step gpu-tests python3 -m pytest -q -p no:cacheprovider -rs tests/gpu
 step offload-model-tests python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_offload_model.py -k cuda
 step offload-memory python3 benchmarks/offload_memory.py --out "$out/offload_memory.json"
-step peers python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/peers.py --out "$out/peers" "$@"
+step peers python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m benchmarks.peers --out "$out/peers" "$@"
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_checks: failed: ${failed[*]}" | tee -a "$log"
     exit 1
