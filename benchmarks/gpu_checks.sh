@@ -196,7 +196,7 @@ if ! have matplotlib; then
     note="${note:+$note; }matplotlib is not installed: no peers.png"
 fi
 step peers 130 "$note" python3 -m torch.distributed.run --standalone --nproc_per_node=1 \
-    benchmarks/peers.py --out "$out/peers" ${extra[@]+"${extra[@]}"} ${peers_args[@]+"${peers_args[@]}"}
+    -m benchmarks.peers --out "$out/peers" ${extra[@]+"${extra[@]}"} ${peers_args[@]+"${peers_args[@]}"}
 
 # ------------------------------------------------------------------ the summary
 python3 benchmarks/gpu_checks_summary.py --out "$out" --work "$work" --wall-s "$SECONDS" \

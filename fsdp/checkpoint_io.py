@@ -16,28 +16,31 @@ failure on one rank becomes the same error on all of them instead of leaving the
 next collective. Loading reads into fresh buffers and checks every name and shape before anything
 is written into the model or the optimizer, so a failed load changes nothing.
 
-Files: ``.metadata`` and ``__<rank>_<n>.distcp`` (DCP), ``fsdp_manifest.json`` (format, world size,
-the unwrapped model's state-dict keys and tied names), ``extra.pt`` (the ``extra`` object, from rank
-0) and ``COMMITTED``. The directory must be on a file system that every rank sees (it may be mounted
-at different paths on different nodes): before writing anything, rank 0 leaves a random token in
+Files: ``.metadata`` and ``__<rank>_<n>.distcp`` (DCP; each rank's application state is in its own
+file, see [Note: application state] in _app_state.py), ``fsdp_manifest.json`` (format, world size,
+the unwrapped model's state-dict keys and tied names, the application state's names), ``extra.pt``
+(the ``extra`` object, from rank 0) and ``COMMITTED``. The directory must be on a file system that
+every rank sees (it may be mounted at different paths on different nodes): before writing
+anything, rank 0 leaves a random token in
 ``.fsdp_save_probe`` and every rank must read it back at its own path. A load compares the
 checkpoint id (random, in the marker) that each rank read.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 import secrets
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fsdp import _app_state
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.optim_state import (
     OptimLoadPlan,
@@ -54,6 +57,9 @@ from fsdp.state_dict import (
     sharded_state_dict_template,
 )
 from fsdp.state_layout import Layout, agree
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = [
     "COMMIT_MARKER",
@@ -197,22 +203,10 @@ def _write_atomically(path: Path, data: str | bytes) -> None:
 def _serialize_extra(extra: Any) -> bytes:
     """``extra`` as ``torch.save`` writes it, after checking that ``torch.load(weights_only=True)``
     (what :func:`load_checkpoint` uses) reads it back; else a checkpoint would commit that never loads."""
-    buffer = io.BytesIO()
     try:
-        torch.save(extra, buffer)
-    except Exception as e:
-        raise CheckpointError(f"extra cannot be saved: {_error(e)}") from None
-    try:
-        torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
-    except Exception as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        detail = next((line for line in lines if "WeightsUnpickler" in line), lines[0] if lines else "")
-        raise CheckpointError(
-            f"extra holds something torch.load(weights_only=True) cannot read back ({type(e).__name__}: "
-            f"{detail}); keep to numbers, strings, tensors and lists / tuples / dicts of them (e.g. numpy's "
-            "RNG state as a list, torch.get_rng_state() as a tensor)"
-        ) from None
-    return buffer.getvalue()
+        return _app_state.to_bytes(extra, "extra")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _looks_like_failed_save(root: Path) -> bool:
@@ -260,14 +254,19 @@ def save_checkpoint(
     model: FullyShardedDataParallel,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
+    *,
+    app_state: Mapping[str, Stateful] | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) into the fresh directory ``path``. Collective: every rank calls it.
 
     Each rank writes 1/world_size of the parameters and of the optimizer state; ``extra`` (rank 0's,
     anything ``torch.load(weights_only=True)`` reads back: numbers, strings, tensors, containers of
-    them) is stored beside. The directory counts as a checkpoint once its commit marker is written,
-    last (see [Note: checkpoint commit]). An uncommitted leftover of a crashed save at ``path`` is
-    replaced; a committed checkpoint there is refused. Returns ``path``.
+    them) is stored beside. ``app_state`` maps names to objects with ``state_dict()`` and
+    ``load_state_dict()`` (DCP's ``Stateful``: a scheduler, a scaler, a sampler, RNG states); every
+    rank's own ``state_dict()`` of each is saved (see [Note: application state] in _app_state.py),
+    and every rank must pass the same names. The directory counts as a checkpoint once its commit
+    marker is written, last (see [Note: checkpoint commit]). An uncommitted leftover of a crashed
+    save at ``path`` is replaced; a committed checkpoint there is refused. Returns ``path``.
     """
     # torch.distributed.checkpoint is imported where it is used: it costs about 0.5 s to import
     from torch.distributed.checkpoint.api import CheckpointException
@@ -276,11 +275,17 @@ def save_checkpoint(
 
     root = Path(path)
     layout = _describe(model)
+    app = _app_state.check_app_state(app_state)
     what = f"save_checkpoint({str(root)!r})"
     error = None
     blob = None
     created = False
-    if layout.rank == 0:
+    app_blobs: dict[str, bytes] = {}
+    try:
+        app_blobs = _app_state.state_blobs(app, layout.rank)
+    except ValueError as e:
+        error = str(e)
+    if layout.rank == 0 and error is None:
         try:
             if extra is not None:
                 blob = _serialize_extra(extra)
@@ -290,7 +295,15 @@ def save_checkpoint(
                 _write_atomically(root / PROBE, secrets.token_hex(16))
         except Exception as e:
             error = str(e) if isinstance(e, CheckpointError) else _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)
+    names = ", ".join(sorted(app))
+    agree(
+        layout,
+        error,
+        what,
+        names,
+        CheckpointError,
+        f"the ranks passed app_state with different names ({names!r} here)",
+    )
     try:
         # every rank must see the directory rank 0 prepared (a per-rank name, or a disk only one node
         # sees, would commit rank 0's files only); mount points may differ
@@ -306,6 +319,7 @@ def save_checkpoint(
             state: dict[str, Any] = {_MODEL: sharded_state_dict(layout)}
             if optimizer is not None:
                 state[_OPTIM] = sharded_optim_state_dict(layout, optimizer)
+            state.update(app_blobs)  # this rank's own entries: DCP writes them into this rank's file
             writer = FileSystemWriter(str(root), single_file_per_rank=True, sync_files=True)
             dcp_save(state, storage_writer=writer, process_group=layout.group)
         except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
@@ -327,6 +341,7 @@ def save_checkpoint(
                     "has_optimizer": optimizer is not None,
                     "optimizer": _class_name(optimizer) if optimizer is not None else None,
                     "has_extra": extra is not None,
+                    "app_state": sorted(app),
                     "wrap_plan": layout.fingerprint(),
                 }
                 _write_atomically(root / MANIFEST, json.dumps(manifest, indent=1))
@@ -366,13 +381,19 @@ def load_checkpoint(
     model: FullyShardedDataParallel,
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
+    *,
+    app_state: Mapping[str, Stateful] | None = None,
 ) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint` at any world size and wrap plan. Collective.
 
-    Returns the ``extra`` object that was saved (None if none). Raises :class:`CheckpointError` on
+    Returns the ``extra`` object that was saved (None if none). Each object of ``app_state`` gets
+    its ``load_state_dict()`` called with the state its rank saved under the same name (at another
+    world size, the state of rank ``rank % saved_world_size``; see [Note: application state] in
+    _app_state.py), before the model and the optimizer are loaded. Raises :class:`CheckpointError` on
     every rank, with the model and optimizer unchanged, if the checkpoint is incomplete or damaged,
     or does not match the model (a key missing, or with ``strict`` unexpected, a shape that differs)
-    or the optimizer (other param groups, or no optimizer state saved).
+    or the optimizer (other param groups, or no optimizer state saved), holds no state for a name of
+    ``app_state``, or an object's ``load_state_dict()`` raised on some rank.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -380,14 +401,18 @@ def load_checkpoint(
 
     root = Path(path)
     layout = _describe(model)
+    app = _app_state.check_app_state(app_state)
     what = f"load_checkpoint({str(root)!r}) (nothing was loaded)"
     error, digest = None, ""
     state: dict[str, Any] = {}
     manifest: dict[str, Any] = {}
+    app_keys: dict[str, str] = {}  # name -> the DCP key this rank reads
     try:
         manifest = read_checkpoint_info(root)
         storage = FileSystemReader(str(root)).read_metadata().state_dict_metadata
         problems = _match_model(layout, storage, strict)
+        problems += _match_app_state(app, manifest, storage, layout.rank, app_keys)
+        state.update((k, b"") for k in app_keys.values())  # DCP replaces each with the saved bytes
         state[_MODEL] = {
             k: v for k, v in sharded_state_dict_template(layout).items() if f"{_MODEL}.{k}" in storage
         }
@@ -414,10 +439,13 @@ def load_checkpoint(
     error = None
     model_plan: ShardedLoadPlan | None = None
     optim_plan: OptimLoadPlan | None = None
+    app_loaded: dict[str, Any] = {}
     try:
         dcp_load(state, storage_reader=FileSystemReader(str(root)), process_group=layout.group)
         if manifest.get("has_extra"):
             extra = torch.load(root / EXTRA, map_location="cpu", weights_only=True)
+        for name, k in app_keys.items():
+            app_loaded[name] = _app_state.from_bytes(state[k], f"app_state[{name!r}] ({k})")
         model_plan = check_sharded_state_dict(layout, state[_MODEL], strict)
         problems = list(model_plan.errors)
         digest = model_plan.digest
@@ -430,6 +458,21 @@ def load_checkpoint(
         error = _error(e)
     agree(layout, error, what, digest, exc_type=CheckpointError)
 
+    # the user's objects first: one that refuses its state leaves the model and the optimizer as they were
+    if app:
+        error = None
+        for name, obj in app.items():
+            try:
+                obj.load_state_dict(app_loaded[name])
+            except Exception as e:
+                error = f"app_state[{name!r}].load_state_dict() failed: {_error(e)}"
+                break
+        agree(
+            layout,
+            error,
+            f"load_checkpoint({str(root)!r}) (the model and the optimizer were not loaded)",
+            exc_type=CheckpointError,
+        )
     assert model_plan is not None
     apply_sharded_state_dict(layout, model_plan)
     if optimizer is not None:
@@ -442,6 +485,31 @@ def load_checkpoint(
         layout.world_size,
     )
     return extra
+
+
+def _match_app_state(
+    app: dict[str, Stateful],
+    manifest: dict[str, Any],
+    storage: dict[str, Any],
+    rank: int,
+    keys: dict[str, str],
+) -> list[str]:
+    """Check that the checkpoint holds state for every name of ``app``; fill ``keys`` (name -> DCP key)."""
+    saved = list(manifest.get("app_state", []))
+    source = _app_state.source_rank(rank, int(manifest.get("world_size", 1)))
+    problems = []
+    for name in app:
+        k = _app_state.key(name, source)
+        if name not in saved:
+            problems.append(
+                f"the checkpoint holds no application state {name!r} (it holds "
+                f"{', '.join(repr(n) for n in saved) or 'none'}); pass only names given to save_checkpoint(app_state=...)"
+            )
+        elif k not in storage:
+            problems.append(f"the checkpoint lacks {k!r}, the application state {name!r} of rank {source}")
+        else:
+            keys[name] = k
+    return problems
 
 
 def _match_model(layout: Layout, storage: dict[str, Any], strict: bool) -> list[str]:
