@@ -8,8 +8,9 @@ and into any wrap plan. See [Note: checkpoint commit] for how a save becomes vis
 Each save goes into a fresh directory and becomes a checkpoint only when its commit marker
 ``COMMITTED`` exists. The marker is written last: rank 0 writes it after every rank has finished
 writing (DCP's own final step, then an agreement between ranks), to a temporary name first and then
-renamed, so it is either complete or absent. It records the size of every file, which each rank
-checks before loading. A crash at any point before the rename therefore leaves a directory without a
+renamed, so it is either complete or absent. It records the size and the checksum of every file,
+which the ranks check before loading (see [Note: checkpoint integrity] in checkpoint_files.py). A
+crash at any point before the rename therefore leaves a directory without a
 marker, which :func:`load_checkpoint` rejects on every rank, while the previous checkpoint is
 untouched and loadable. Every phase of a save or a load ends with :func:`fsdp.state_dict.agree`: a
 failure on one rank becomes the same error on all of them instead of leaving them blocked in the
@@ -41,6 +42,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp import _app_state
+from fsdp.checkpoint_files import (
+    COMMIT_MARKER,
+    FORMAT,
+    MANIFEST,
+    NO_SPACE_LEFT,
+    VERSION,
+    CheckpointError,
+    check_checkpoint,
+    file_checksum,
+    gather_checksums,
+    is_committed,
+    latest_checkpoint,
+    marker_text,
+    out_of_space,
+    read_checkpoint_info,
+    read_dcp_metadata,
+    read_marker,
+    recording_writer,
+    verify_share,
+)
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.optim_state import (
     OptimLoadPlan,
@@ -73,12 +94,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-COMMIT_MARKER = "COMMITTED"
-MANIFEST = "fsdp_manifest.json"
 EXTRA = "extra.pt"
 PROBE = ".fsdp_save_probe"  # rank 0's random token: every rank must read it back at its own path
-FORMAT = "fsdp-checkpoint"
-VERSION = 1
 _MODEL, _OPTIM = "model", "optim"
 
 
@@ -87,10 +104,6 @@ _SAME_PATH = (
     "is not on a file system every rank sees; pass every rank the same directory on a shared file system "
     "(for a resume: rank 0's latest_checkpoint(), sent with dist.broadcast_object_list)"
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; raised on every rank with the same message."""
 
 
 def _describe(model: FullyShardedDataParallel) -> Layout:
@@ -113,78 +126,7 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-# ---------------------------------------------------------------------- markers and manifest
-def is_committed(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds a complete checkpoint (its commit marker exists)."""
-    return (Path(path) / COMMIT_MARKER).is_file()
-
-
-def read_checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check that ``path`` is a complete, undamaged checkpoint; return its manifest. Reads no tensor data.
-
-    Raises :class:`CheckpointError` if the commit marker is missing (the save never finished), a
-    file is missing or has another size than when it was saved, or the format is unknown.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint {str(root)!r} does not exist (or is not a directory)")
-    marker = root / COMMIT_MARKER
-    if not marker.is_file():
-        raise CheckpointError(
-            f"checkpoint {str(root)!r} has no commit marker {COMMIT_MARKER!r}: its save did not finish (the job "
-            "crashed or was stopped while writing it). Load an earlier checkpoint (fsdp.latest_checkpoint finds "
-            "the newest complete one)"
-        )
-    try:
-        committed = json.loads(marker.read_text())
-        manifest = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {str(root)!r} is damaged: {_error(e)}") from e
-    if manifest.get("format") != FORMAT or int(manifest.get("version", 0)) > VERSION:
-        raise CheckpointError(
-            f"{str(root)!r} is not an fsdp checkpoint of a version this fsdp reads (format "
-            f"{manifest.get('format')!r}, version {manifest.get('version')!r}; this fsdp reads {FORMAT!r} up to "
-            f"version {VERSION})"
-        )
-    for name, size in committed.get("files", {}).items():
-        file = root / name
-        actual = file.stat().st_size if file.is_file() else None
-        if actual != size:
-            state = "is missing" if actual is None else f"has {actual} bytes"
-            raise CheckpointError(
-                f"checkpoint {str(root)!r} is damaged: {name} {state}, the commit marker recorded {size} bytes "
-                "(truncated or changed after the save). Load an earlier checkpoint"
-            )
-    manifest["saved_at_ns"] = committed.get("saved_at_ns", 0)
-    manifest["checkpoint_id"] = committed.get("checkpoint_id", "")
-    return dict(manifest)
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The most recently committed checkpoint directory directly under ``root`` that passes
-    :func:`read_checkpoint_info` (complete, files of their recorded sizes), or None."""
-    base = Path(root)
-    if not base.is_dir():
-        return None
-    found: list[tuple[int, str, Path]] = []
-    for child in base.iterdir():
-        marker = child / COMMIT_MARKER
-        if not marker.is_file():
-            continue
-        try:
-            found.append((int(json.loads(marker.read_text()).get("saved_at_ns", 0)), child.name, child))
-        except Exception:  # unreadable, or not the marker's format
-            continue
-    for _, _, path in sorted(found, reverse=True):
-        try:
-            read_checkpoint_info(path)
-        except Exception as e:
-            log.warning("latest_checkpoint: skipping %s: %s", path, e)
-            continue
-        return path
-    return None
-
-
+# ---------------------------------------------------------------------- writing
 def _write_atomically(path: Path, data: str | bytes) -> None:
     """Write a temporary file, fsync it, rename it over ``path`` and fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
@@ -248,6 +190,27 @@ def _prepare_directory(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
 
+def _save_error(e: BaseException, root: Path) -> str:
+    """The message of a failed save phase; a full disk says so (with the directory) whatever raised it."""
+    full = out_of_space(e)
+    if full is not None:
+        return (
+            f"{NO_SPACE_LEFT} while saving {str(root)!r} ({full.strerror or full}); free space or save "
+            "elsewhere. The files of this unfinished save are removed; earlier checkpoints are untouched"
+        )
+    return str(e) if isinstance(e, CheckpointError) else _error(e)
+
+
+def _remove_unfinished(root: Path) -> None:
+    """Free the space an unfinished save took (only its own files: the directory holds no marker)."""
+    try:
+        if root.is_dir() and not is_committed(root) and _looks_like_failed_save(root):
+            for p in root.iterdir():
+                p.unlink()
+    except OSError as e:
+        log.warning("could not remove the files of the unfinished save %s: %s", root, e)
+
+
 # ---------------------------------------------------------------------- save
 def save_checkpoint(
     path: str | os.PathLike[str],
@@ -256,6 +219,7 @@ def save_checkpoint(
     extra: Any = None,
     *,
     app_state: Mapping[str, Stateful] | None = None,
+    checksums: bool = True,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) into the fresh directory ``path``. Collective: every rank calls it.
 
@@ -265,12 +229,14 @@ def save_checkpoint(
     ``load_state_dict()`` (DCP's ``Stateful``: a scheduler, a scaler, a sampler, RNG states); every
     rank's own ``state_dict()`` of each is saved (see [Note: application state] in _app_state.py),
     and every rank must pass the same names. The directory counts as a checkpoint once its commit
-    marker is written, last (see [Note: checkpoint commit]). An uncommitted leftover of a crashed
-    save at ``path`` is replaced; a committed checkpoint there is refused. Returns ``path``.
+    marker is written, last (see [Note: checkpoint commit]), with every file's size and, unless
+    ``checksums=False``, its checksum (see [Note: checkpoint integrity] in checkpoint_files.py). An
+    uncommitted leftover of a crashed save at ``path`` is replaced; a committed checkpoint there is
+    refused. A full disk raises "no space left on device while saving <path>" on every rank and
+    removes the unfinished save's files. Returns ``path``.
     """
     # torch.distributed.checkpoint is imported where it is used: it costs about 0.5 s to import
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     root = Path(path)
@@ -294,7 +260,11 @@ def save_checkpoint(
             if layout.world_size > 1:
                 _write_atomically(root / PROBE, secrets.token_hex(16))
         except Exception as e:
-            error = str(e) if isinstance(e, CheckpointError) else _error(e)
+            error = _save_error(e, root)
+            if out_of_space(e) is not None:
+                _remove_unfinished(root)
+                if created and root.is_dir() and not any(root.iterdir()):
+                    root.rmdir()
     names = ", ".join(sorted(app))
     agree(
         layout,
@@ -315,16 +285,20 @@ def save_checkpoint(
             agree(layout, None, what, seen, CheckpointError, _SAME_PATH)
 
         error = None
+        mine: dict[str, str] = {}
         try:
             state: dict[str, Any] = {_MODEL: sharded_state_dict(layout)}
             if optimizer is not None:
                 state[_OPTIM] = sharded_optim_state_dict(layout, optimizer)
             state.update(app_blobs)  # this rank's own entries: DCP writes them into this rank's file
-            writer = FileSystemWriter(str(root), single_file_per_rank=True, sync_files=True)
+            writer = recording_writer(str(root), single_file_per_rank=True, sync_files=True)
             dcp_save(state, storage_writer=writer, process_group=layout.group)
+            if checksums:  # this rank's files, still in the page cache
+                mine = {name: file_checksum(root / name) for name in sorted(writer.written)}
         except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-            error = _error(e)
+            error = _save_error(e, root)
         agree(layout, error, what, exc_type=CheckpointError)
+        recorded = gather_checksums(layout, mine) if checksums else None
 
         error = None
         if layout.rank == 0:
@@ -346,7 +320,7 @@ def save_checkpoint(
                 }
                 _write_atomically(root / MANIFEST, json.dumps(manifest, indent=1))
             except Exception as e:
-                error = _error(e)
+                error = _save_error(e, root)
         agree(layout, error, what, exc_type=CheckpointError)  # every rank's data is on disk: the barrier
 
         error = None
@@ -361,13 +335,18 @@ def save_checkpoint(
                     "world_size": layout.world_size,
                     "files": files,
                 }
-                _write_atomically(root / COMMIT_MARKER, json.dumps(marker, indent=1))
+                sums = None  # the files rank 0 wrote after DCP's write: .metadata, the manifest, extra
+                if recorded is not None:
+                    sums = {name: recorded.get(name) or file_checksum(root / name) for name in files}
+                _write_atomically(root / COMMIT_MARKER, marker_text(marker, sums))
             except Exception as e:
-                error = _error(e)
+                error = _save_error(e, root)
         agree(layout, error, what, exc_type=CheckpointError)
-    except CheckpointError:
+    except CheckpointError as e:
         if layout.rank == 0:  # no probe left behind, and no directory this save created for nothing
             (root / PROBE).unlink(missing_ok=True)
+            if NO_SPACE_LEFT in str(e):
+                _remove_unfinished(root)
             if created and root.is_dir() and not any(root.iterdir()):
                 root.rmdir()
         raise
@@ -383,6 +362,7 @@ def load_checkpoint(
     strict: bool = True,
     *,
     app_state: Mapping[str, Stateful] | None = None,
+    verify: bool = True,
 ) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint` at any world size and wrap plan. Collective.
 
@@ -390,10 +370,12 @@ def load_checkpoint(
     its ``load_state_dict()`` called with the state its rank saved under the same name (at another
     world size, the state of rank ``rank % saved_world_size``; see [Note: application state] in
     _app_state.py), before the model and the optimizer are loaded. Raises :class:`CheckpointError` on
-    every rank, with the model and optimizer unchanged, if the checkpoint is incomplete or damaged,
-    or does not match the model (a key missing, or with ``strict`` unexpected, a shape that differs)
-    or the optimizer (other param groups, or no optimizer state saved), holds no state for a name of
-    ``app_state``, or an object's ``load_state_dict()`` raised on some rank.
+    every rank, with the model and optimizer unchanged, if the checkpoint is incomplete or damaged
+    (with ``verify``, a file whose checksum differs from the one recorded at the save: the ranks
+    share the reading, see [Note: checkpoint integrity] in checkpoint_files.py), or does not match
+    the model (a key missing, or with ``strict`` unexpected, a shape that differs) or the optimizer
+    (other param groups, or no optimizer state saved), holds no state for a name of ``app_state``,
+    or an object's ``load_state_dict()`` raised on some rank.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -408,8 +390,17 @@ def load_checkpoint(
     manifest: dict[str, Any] = {}
     app_keys: dict[str, str] = {}  # name -> the DCP key this rank reads
     try:
-        manifest = read_checkpoint_info(root)
-        storage = FileSystemReader(str(root)).read_metadata().state_dict_metadata
+        files: dict[str, int] = read_marker(root).get("files", {})
+        share = verify_share(files, files, layout.rank, layout.world_size) if verify else False
+        manifest, verified = check_checkpoint(root, share)
+        if verify and not verified and layout.rank == 0:
+            warnings.warn(
+                f"checkpoint {str(root)!r} records no checksums (saved by an earlier fsdp, or with "
+                "checksums=False): its content is loaded unverified",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        storage = read_dcp_metadata(root).state_dict_metadata
         problems = _match_model(layout, storage, strict)
         problems += _match_app_state(app, manifest, storage, layout.rank, app_keys)
         state.update((k, b"") for k in app_keys.values())  # DCP replaces each with the saved bytes

@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy, latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp.checkpoint_files import marker_text
 from fsdp.checkpoint_io import COMMIT_MARKER, PROBE, CheckpointError
 from fsdp.consolidate import main as consolidate_main
 from tests.checkpointing import (
@@ -424,7 +425,7 @@ def _broken(tmp: str) -> dict[str, Any]:
         marker = root / "truncated" / COMMIT_MARKER  # the newest, but damaged: latest_checkpoint skips it
         info = json.loads(marker.read_text())
         info["saved_at_ns"] += 1
-        marker.write_text(json.dumps(info))
+        marker.write_text(marker_text({k: v for k, v in info.items() if k != "marker_crc32"}, None))
     dist.barrier()
     before = flat_snapshot(model, opt)
     messages: dict[str, str] = {}
@@ -485,7 +486,7 @@ def test_broken_checkpoints_fail_on_every_rank(pool: RankPool, tmp_path: Path) -
     for r in pool.run(_broken, str(tmp_path), timeout=120):
         m = r["messages"]
         assert "has no commit marker" in m["no_marker"] and "did not finish" in m["no_marker"]
-        assert "damaged" in m["truncated"] and "truncated" in m["truncated"]
+        assert "damaged: __" in m["truncated"] and ".distcp has" in m["truncated"], m["truncated"]
         assert "already holds a committed checkpoint" in m["committed_target"]
         assert "missing from the checkpoint" in m["missing_key"] and "'extra.weight'" in m["missing_key"]
         assert "'out.weight': shape (3, 8) in the checkpoint, (4, 8) in the model" in m["shape"]

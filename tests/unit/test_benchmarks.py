@@ -75,3 +75,19 @@ def test_phases_reports_every_phase_of_every_variant(tmp_path: Path) -> None:
         assert row["step_wall"] >= row["forward_wall"]
     table = (tmp_path / "phases.md").read_text()
     assert all(f"| {v} |" in table for v in variants.split(","))
+
+
+def test_checkpoint_cost_times_both_variants_of_each_operation(tmp_path: Path) -> None:
+    torchrun("checkpoint_cost.py", *"--size 1M --rounds 2 --dir".split(), str(tmp_path))
+    report = json.loads((tmp_path / "checkpoint_cost.json").read_text())
+    for op in ("save", "load", "latest"):
+        for variant in ("with", "without"):
+            assert len(report["times_s"][op][variant]) == 2 and min(report["times_s"][op][variant]) > 0
+        assert report[f"{op}_ratio_median"] > 0
+    recorded = report["files_with_checksums"]
+    assert (
+        ".metadata" in recorded["with"] and "__1_0.distcp" in recorded["with"] and recorded["without"] == []
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_cost.json"], (
+        "each round's files are removed"
+    )
