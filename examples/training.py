@@ -233,16 +233,17 @@ def previous_run(args: argparse.Namespace, rank: int) -> Path | None:
     """The checkpoint to resume from (with --resume), the same on every rank; or, with --overwrite,
     none after the earlier run's checkpoints are deleted."""
     ckpt_dir = Path(args.out_dir) / "checkpoints"
-    found: list[Path | None] = [None]
-    if rank == 0 and args.resume:
-        found[0] = latest_checkpoint(ckpt_dir)  # the newest complete one (a killed save has no marker)
-        if found[0] is None:
+    if args.resume:
+        # collective: rank 0 picks the newest complete, undamaged one and every rank gets its name
+        found = latest_checkpoint(ckpt_dir, group=dist.group.WORLD)
+        if found is None and rank == 0:
             print(f"--resume: no complete checkpoint in {ckpt_dir}; starting at step 0")
-    elif rank == 0 and args.overwrite and ckpt_dir.exists():
+        return found
+    if rank == 0 and args.overwrite and ckpt_dir.exists():
         print(f"--overwrite: deleting {ckpt_dir}")
         shutil.rmtree(ckpt_dir)
-    dist.broadcast_object_list(found, src=0)  # also: no rank saves before rank 0 has deleted
-    return found[0]
+    dist.barrier()  # no rank saves before rank 0 has deleted
+    return None
 
 
 def resume(r: Run, path: Path) -> None:
