@@ -873,9 +873,10 @@ class FullyShardedDataParallel(
         """Clip the gradients of the whole model by their global norm; return that norm.
 
         Call it on the root after backward, on every rank. The norm is computed over every rank's
-        gradient shards (one all-reduce per shard group), so it is identical on all ranks and equal
-        to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count once,
-        with this rank's gradients (they are not reduced).
+        gradient shards (one all-reduce over the data-parallel group; replicas counted once, expert
+        units on smaller groups once per rank that holds them), so it is identical on all ranks and
+        equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count
+        once, with this rank's gradients (they are not reduced).
         """
         self._require_root("clip_grad_norm_()")
         ctx = self._ctx
@@ -888,8 +889,9 @@ class FullyShardedDataParallel(
             )
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
         ignored = {id(p): p for w in ctx.wrappers for p in w._ignored.tensors() if p.requires_grad}
+        group, device = self.fsdp_config.comm.dp_group, self.compute_device
         return clip_grad_norm_(
-            handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats, list(ignored.values())
+            handles, float(max_norm), float(norm_type), device, ctx.stats, [*ignored.values()], group
         )
 
     def _require_root(self, what: str) -> None:
