@@ -922,6 +922,7 @@ class FullyShardedDataParallel(
                 w._buffer_dtypes,
                 w.fsdp_config.no_broadcast_optim_state,
                 w._ignored,
+                w.fsdp_config.sharding.flatten_parameters,
             )
             for w in wrappers
         }
