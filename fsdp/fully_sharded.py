@@ -33,7 +33,7 @@ from torch.profiler import record_function as _record_function
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp._fairscale_attrs import FairscaleAttributes
+from fsdp._fairscale_attrs import FairscaleAttributes, is_expert
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
@@ -920,7 +920,7 @@ class FullyShardedDataParallel(
                 tuple(w.handles),
                 w._module_param_order,
                 w._buffer_dtypes,
-                w.fsdp_config.no_broadcast_optim_state,
+                w.fsdp_config.no_broadcast_optim_state or is_expert(w, self),
                 w._ignored,
                 w.fsdp_config.sharding.flatten_parameters,
             )

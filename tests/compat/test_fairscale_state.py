@@ -308,3 +308,177 @@ def test_fairscales_local_shards_load_and_consolidate(pool: RankPool, flatten: b
         assert r["ours_of_fairscales"] == ([] if flatten else ["proj.weight"])
         assert r["fairscales_of_ours"] == ["proj.weight"]
         assert r["ours_of_ours"] == [] and r["ours_of_old"] == [] and r["old_loaded"] == []
+
+
+# ---------------------------------------------------------------------- fairscale's optimizer-state form
+class Stack(nn.Module):
+    """Three layers, the middle two wrapped on their own; ``aux`` never reaches the loss, so its unit
+    has no optimizer state (fairscale's ``param_id_map`` maps its ids to None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 6)
+        self.mid = nn.Linear(6, 6)
+        self.aux = nn.Linear(6, 2)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def _stack(wrapper: Any, **kwargs: Any) -> nn.Module:
+    net = Stack()
+    net.mid, net.aux = wrapper(net.mid, **kwargs), wrapper(net.aux, **kwargs)
+    return wrapper(net, **kwargs)
+
+
+def _fairscale_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
+    from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+
+    return FairscaleFSDP(module, compute_device=torch.device("cpu"), **kwargs)
+
+
+def _local_state(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    return {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in opt.state_dict()["state"].items()
+    }
+
+
+def _same_local_state(got: dict[Any, dict[str, Any]], want: dict[int, dict[str, Any]]) -> list[str]:
+    """Differences between two optimizer states keyed by local id (``step`` compared as a number)."""
+    diffs = [f"ids {sorted(got)} != {sorted(want)}"] if set(got) != set(want) else []
+    for i in set(got) & set(want):
+        for key, value in want[i].items():
+            mine = got[i].get(key)
+            if key == "step":
+                ok = mine is not None and float(mine) == float(value)
+            else:
+                ok = isinstance(mine, torch.Tensor) and mine.shape == value.shape and torch.equal(mine, value)
+            if not ok:
+                diffs.append(f"{i}.{key}")
+    return diffs
+
+
+def _gather_for_fairscale() -> dict[str, Any]:
+    import copy
+
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(FSDP)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    full = model.gather_full_optim_state_dict(opt)
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    theirs = _stack(_fairscale_wrapper)  # the same wrap plan, built by fairscale on this CPU rank
+    assert isinstance(theirs, FairscaleFSDP)
+    shard = theirs.get_shard_from_optim_state_dict(copy.deepcopy(box[0]))
+    fs_opt = torch.optim.Adam(theirs.parameters(), lr=1e-2)
+    fs_opt.load_state_dict(shard)  # and a torch optimizer over fairscale's flat parameters takes it
+    ours_back = model.get_shard_from_optim_state_dict(box[0])
+    return {
+        "world": world,
+        "keys": sorted(box[0]),
+        "param_id_map": box[0]["param_id_map"],
+        "names": box[0]["param_names"],
+        "uncollected": box[0]["uncollected_local_ids"],
+        "fairscale_reads_it": _same_local_state(shard["state"], _local_state(opt)),
+        "fairscale_groups": [g["params"] for g in shard["param_groups"]],
+        "loaded": _same_local_state(_local_state(fs_opt), _local_state(opt)),
+        "ours_reads_it": _same_local_state(ours_back["state"], _local_state(opt)),
+        "full_is_none_elsewhere": full is None if rank else full is not None,
+    }
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_gathered_optimizer_state_is_read_by_fairscales_get_shard(pool: RankPool) -> None:
+    for r in pool.run(_gather_for_fairscale):
+        assert r["full_is_none_elsewhere"]
+        assert {"param_id_map", "uncollected_local_ids", "param_names", "state", "param_groups"} <= set(
+            r["keys"]
+        )
+        # ids in the unwrapped model's order (inp, mid, aux, out); local ids: the optimizer's flat
+        # parameters (root: inp + out, then mid, then aux), aux without state
+        assert r["names"] == [
+            "inp.weight",
+            "inp.bias",
+            "mid.weight",
+            "mid.bias",
+            "aux.weight",
+            "aux.bias",
+            "out.weight",
+            "out.bias",
+        ]
+        assert r["param_id_map"] == {0: 0, 1: 0, 6: 0, 7: 0, 2: 1, 3: 1, 4: None, 5: None}
+        assert r["uncollected"] == []
+        assert r["fairscale_reads_it"] == [], "fairscale's reader gives each rank its own flat state"
+        assert r["fairscale_groups"] == [[0, 1, 2]]
+        assert r["loaded"] == [] and r["ours_reads_it"] == []
+
+
+def _gather_experts() -> dict[str, Any]:
+    import copy
+    import warnings
+
+    rank = dist.get_rank()
+    groups = _per_rank_groups()
+    model = _moe(groups)
+    flags_before = (model.no_broadcast_optim_state, model.expert.no_broadcast_optim_state)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(_batch(rank)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    flags = (model.no_broadcast_optim_state, model.expert.no_broadcast_optim_state)
+    mine = _local_state(opt)
+    full = model.gather_full_optim_state_dict(opt)
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    owners: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(owners, mine)
+    # fairscale's reader on fairscale's build of the same tree: shared state sharded, experts' kept
+    net = MoE(100 + rank)
+    net.expert = _fairscale_wrapper(net.expert, process_group=groups[rank])
+    theirs = _fairscale_wrapper(net)
+    shard = theirs.get_shard_from_optim_state_dict(copy.deepcopy(box[0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = model.get_shard_from_optim_state_dict(box[0])
+    sharded_refusal = ""
+    try:
+        model.sharded_optim_state_dict(opt)
+    except RuntimeError as e:
+        sharded_refusal = str(e)
+    return {
+        "flags_before": flags_before,
+        "flags": flags,
+        "uncollected": box[0]["uncollected_local_ids"],
+        "param_id_map": box[0]["param_id_map"],
+        # the root's flat parameter (local id 0) is gathered; the expert's (1) is rank 0's own
+        "fairscale_shared": _same_local_state({0: shard["state"][0]}, {0: mine[0]}),
+        "fairscale_expert_is_rank0s": _same_local_state({1: shard["state"][1]}, {1: owners[0][1]}),
+        "ours_shared": _same_local_state({0: ours["state"][0]}, {0: mine[0]}),
+        "ours_expert_is_rank0s": _same_local_state({1: ours["state"][1]}, {1: owners[0][1]}),
+        "warned": [str(w.message) for w in caught],
+        "sharded_refusal": sharded_refusal,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_experts_are_flagged_and_gathered_as_fairscale_does(pool: RankPool) -> None:
+    for r in pool.run(_gather_experts):
+        assert r["flags_before"] == (False, False)
+        assert r["flags"] == (False, True), "set for the one-rank child at the root's first forward"
+        assert r["uncollected"] == [1]
+        assert r["param_id_map"] == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}  # inp, out (the root), expert
+        assert r["fairscale_shared"] == [] and r["fairscale_expert_is_rank0s"] == []
+        assert r["ours_shared"] == [] and r["ours_expert_is_rank0s"] == []
+        assert any("saving rank's own experts'" in w for w in r["warned"])
+        assert "no_broadcast_optim_state=True" in r["sharded_refusal"]
