@@ -25,6 +25,7 @@ from torch import nn
 from fsdp._device import allocated_bytes
 from fsdp.api import FSDPConfig, ShardingStrategy, TrainingState
 from fsdp.consistency import plain_name
+from fsdp.shared_params import check_shared_param
 
 __all__ = ["FairscaleAttributes", "is_expert"]
 
@@ -269,8 +270,15 @@ class FairscaleAttributes:
 
     def non_shared_params(self) -> list[nn.Parameter]:
         """fairscale: the parameters not shared with another wrapper; here every one of ``params``
-        (a parameter tied across wrappers is refused at construction)."""
+        (a parameter tied across wrappers is owned by the innermost wrapper around all its users)."""
         return self.params
+
+    def append_shared_param(self, p: torch.Tensor) -> None:
+        """fairscale's declaration that this wrapper's module uses ``p``, a parameter of another
+        wrapper (or the placeholder that wrapper's module shows for it). Ties across wrappers are
+        found without it (see [Note: parameters shared across wrappers] in
+        ``fsdp/shared_params.py``): this checks that the module does use ``p``, else ``ValueError``."""
+        check_shared_param(self, p)
 
     @_option
     def numel_padded_per_param(self) -> list[int]:

@@ -84,7 +84,8 @@ def _shard_names(layout: Layout, unit: Unit, version: int = FORMAT_VERSION) -> l
     parameter) the parameter's own, as fairscale names them (format version 2 on)."""
     if unit.flatten or version < 2:
         return [f"flat_param_{i}" for i in range(len(unit.handles))]
-    return [_name_in(layout, unit.path, h, h.meta.params[0].fqn) for h in unit.handles]
+    cut = len(unit.path) + 1 if unit.path else 0  # (the state_dict() names of a unit start with its path)
+    return [layout.slots(h)[0].name[cut:] for h in unit.handles]
 
 
 def _alias_names(

@@ -180,9 +180,9 @@ def _through_a_file(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return torch.load(buf, weights_only=True)
 
 
-def _local_roundtrip(flatten: bool) -> dict[str, Any]:
+def _local_roundtrip(flatten: bool, mixed: bool) -> dict[str, Any]:
     rank = dist.get_rank()
-    model = _ours(flatten)
+    model = _ours(flatten, mixed_precision=mixed)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     _step(model, opt)
     local = model.local_state_dict()
@@ -192,7 +192,7 @@ def _local_roundtrip(flatten: bool) -> dict[str, Any]:
     changed = [k for k, v in model.local_state_dict().items() if not torch.equal(v, saved[k])]
     model.load_local_state_dict(saved)
     restored = all(torch.equal(v, full_at_save[k]) for k, v in model.state_dict().items())
-    theirs = _fairscales(flatten).local_state_dict()
+    theirs = _fairscales(flatten).local_state_dict()  # (fairscale's mixed precision needs CUDA)
     others: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(others, saved)
     refused = ""
@@ -214,11 +214,11 @@ def _local_roundtrip(flatten: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize(("flatten", "mixed"), [(True, True), (False, False), (True, False)])
 def test_local_state_dict_is_fairscales_tensors_and_keeps_its_identity_check(
-    pool: RankPool, flatten: bool
+    pool: RankPool, flatten: bool, mixed: bool
 ) -> None:
-    for r in pool.run(_local_roundtrip, flatten):
+    for r in pool.run(_local_roundtrip, flatten, mixed):
         assert r["types"] == ["Tensor"], "tensors only: the {k: v.cpu()} idiom works"
         assert r["keys"] == r["fairscale_keys"], "fairscale's keys (its parameter names when unflattened)"
         assert r["same_shards_as_fairscale"], "and the same shard in each"
@@ -361,14 +361,21 @@ def _same_local_state(got: dict[Any, dict[str, Any]], want: dict[int, dict[str, 
     return diffs
 
 
-def _gather_for_fairscale() -> dict[str, Any]:
+OPTIMIZERS = {  # fairscale's test_consolidate_optimizer uses these three
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "adadelta": lambda params: torch.optim.Adadelta(params),
+}
+
+
+def _gather_for_fairscale(optimizer: str) -> dict[str, Any]:
     import copy
 
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FairscaleFSDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _stack(FSDP)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     for step in range(2):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).pow(2).sum().backward()
@@ -380,8 +387,9 @@ def _gather_for_fairscale() -> dict[str, Any]:
     theirs = _stack(_fairscale_wrapper)  # the same wrap plan, built by fairscale on this CPU rank
     assert isinstance(theirs, FairscaleFSDP)
     shard = theirs.get_shard_from_optim_state_dict(copy.deepcopy(box[0]))
-    fs_opt = torch.optim.Adam(theirs.parameters(), lr=1e-2)
+    fs_opt = OPTIMIZERS[optimizer](theirs.parameters())
     fs_opt.load_state_dict(shard)  # and a torch optimizer over fairscale's flat parameters takes it
+    kept = copy.deepcopy(box[0])
     ours_back = model.get_shard_from_optim_state_dict(box[0])
     return {
         "world": world,
@@ -394,13 +402,15 @@ def _gather_for_fairscale() -> dict[str, Any]:
         "loaded": _same_local_state(_local_state(fs_opt), _local_state(opt)),
         "ours_reads_it": _same_local_state(ours_back["state"], _local_state(opt)),
         "full_is_none_elsewhere": full is None if rank else full is not None,
+        "unchanged": _same_local_state(box[0]["state"], kept["state"])
+        == [],  # (fairscale's: no side effects)
     }
 
 
-@pytest.mark.parametrize("pool", [2, 3], indirect=True)
-def test_gathered_optimizer_state_is_read_by_fairscales_get_shard(pool: RankPool) -> None:
-    for r in pool.run(_gather_for_fairscale):
-        assert r["full_is_none_elsewhere"]
+@pytest.mark.parametrize(("pool", "optimizer"), [(2, "sgd"), (2, "adadelta"), (3, "adam")], indirect=["pool"])
+def test_gathered_optimizer_state_is_read_by_fairscales_get_shard(pool: RankPool, optimizer: str) -> None:
+    for r in pool.run(_gather_for_fairscale, optimizer):
+        assert r["full_is_none_elsewhere"] and r["unchanged"]
         assert {"param_id_map", "uncollected_local_ids", "param_names", "state", "param_groups"} <= set(
             r["keys"]
         )
@@ -482,3 +492,271 @@ def test_experts_are_flagged_and_gathered_as_fairscale_does(pool: RankPool) -> N
         assert r["ours_shared"] == [] and r["ours_expert_is_rank0s"] == []
         assert any("saving rank's own experts'" in w for w in r["warned"])
         assert "no_broadcast_optim_state=True" in r["sharded_refusal"]
+
+
+# ---------------------------------------------------------------------- parameters shared across wrappers
+class Siblings(nn.Module):
+    """fairscale's shared-weights model: four 4x4 layers, l1 sharing its weight and/or bias with l3;
+    with ``wrapped``, l1, l2 and l3 are wrapped on their own (l1 and l3 unflattened, as fairscale
+    needs) and l3 declares the shared ones with ``append_shared_param``."""
+
+    def __init__(self, bias: bool, sharing: str, wrapped: bool = False, inner_flat: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(4, 4, bias=bias) for _ in range(4))
+        if sharing in ("weight", "both"):
+            self.l1.weight = self.l3.weight
+        if sharing in ("bias", "both") and bias:
+            self.l1.bias = self.l3.bias
+        if wrapped:
+            self.l1 = FSDP(self.l1, flatten_parameters=False)
+            self.l2 = FSDP(self.l2, flatten_parameters=inner_flat)
+            self.l3 = FSDP(self.l3, flatten_parameters=False)
+            if sharing in ("weight", "both"):
+                self.l3.append_shared_param(self.l1.module.weight)
+            if sharing in ("bias", "both") and bias:
+                self.l3.append_shared_param(self.l1.module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(self.l2(self.l1(self.l0(x))))
+
+
+class TiedOutput(nn.Module):
+    """A MEVO-style output: the vocabulary projection and the cross-entropy in one module,
+    holding the embedding's weight as its own parameter (fairscale's MEVO takes it the same way)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.proj_weight = weight
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = x @ self.proj_weight.t()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class Mevo(nn.Module):
+    """fairscale's MEVO test model: embedding, norm, middle layer, norm, MEVO output tied to the
+    embedding; wrapped, the embedding and the output are sibling units."""
+
+    def __init__(self, wrapped: bool = False, wrap_middle: str = "none") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0 = nn.Embedding(13, 6)
+        self.l1 = TiedOutput(self.l0.weight)
+        self.middle = nn.Linear(6, 6)
+        self.ln1, self.ln2 = nn.LayerNorm(6), nn.LayerNorm(6)
+        if wrapped:
+            self.l0 = FSDP(self.l0, flatten_parameters=False)
+            self.l1 = FSDP(self.l1, flatten_parameters=False)
+            self.l1.append_shared_param(self.l0.module.weight)
+            if wrap_middle != "none":
+                self.middle = FSDP(self.middle, flatten_parameters=wrap_middle == "flat")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.l1(self.ln2(self.middle(self.ln1(self.l0(idx)))), (idx + 1) % 13)
+
+
+class LM(nn.Module):
+    """An embedding tied to the output projection; wrapped, the embedding is in an inner unit and
+    the projection belongs to the outer one (the brief's MEVO-style layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.front = nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6))
+        self.blocks = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.front[0].weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.blocks(self.front(idx))))
+
+
+def _lm(how: str, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
+    """The plain model, and the same wrapped with the tie crossing a wrapper boundary."""
+    from fsdp import lambda_auto_wrap_policy
+
+    ref = LM()
+    if how == "meta":  # built on the meta device: each unit materializes its own modules
+        with torch.device("meta"):
+            net = LM()
+        net.front[0], net.blocks[0] = FSDP(net.front[0], **kwargs), FSDP(net.blocks[0], **kwargs)
+        model = FSDP(net, **kwargs)
+        ref.load_state_dict(model.state_dict())  # the reference starts from the wrapped model's draws
+        return ref, model
+    net = LM()
+    if how == "policy":  # torch's calling style: the policy wraps the embedding, the root keeps the output
+        policy = lambda_auto_wrap_policy(lambda m: isinstance(m, (nn.Embedding, nn.Tanh)))
+        return ref, FSDP(net, auto_wrap_policy=policy, **kwargs)
+    net.front[0] = FSDP(net.front[0], **kwargs)
+    if how == "loaded":  # the inner unit's values change after wrapping: the outer one takes those
+        with torch.no_grad():
+            ref.front[0].weight.mul_(2.0)
+        net.front[0].load_state_dict(ref.front[0].state_dict())
+    if how == "deep":  # and its parent in a unit of its own: the root is the first around both users
+        net.front = FSDP(net.front, **kwargs)
+    return ref, FSDP(net, **kwargs)
+
+
+def _train_beside(
+    ref: nn.Module,
+    model: nn.Module,
+    data: torch.Tensor,
+    steps: int = 3,
+    loss: Any = lambda y: y.pow(2).mean(),
+) -> dict[str, float]:
+    """SGD on the whole batch for the plain model, on this rank's slice for the wrapped one; the
+    largest difference of each state-dict entry after ``steps`` (a missing key: inf)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = data.shape[0] // world
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.2), torch.optim.SGD(ref.parameters(), lr=0.2)
+    for _ in range(steps):
+        loss(model(data[rank * per : (rank + 1) * per])).backward()
+        loss(ref(data)).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ours, theirs = model.state_dict(), ref.state_dict()
+    diffs = {k: (ours[k] - v).abs().max().item() if k in ours else math.inf for k, v in theirs.items()}
+    diffs["(same keys)"] = 0.0 if list(ours) == list(theirs) else math.inf
+    return diffs
+
+
+def _tied_lm(how: str, flatten: bool) -> dict[str, Any]:
+    ref, model = _lm(how, flatten_parameters=flatten)
+    data = torch.randint(0, 11, (4 * dist.get_world_size(), 5), generator=torch.Generator().manual_seed(1))
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    diffs = _train_beside(ref, model, data)
+    sd = model.state_dict()
+    return {
+        "diffs": diffs,
+        "trained": not torch.equal(before["out.weight"], ref.state_dict()["out.weight"]),
+        "one_tensor": torch.equal(sd["out.weight"], sd["front.0.weight"]),
+        "owners": sorted(
+            type(w.module).__name__
+            for w in model.modules()
+            if isinstance(w, FSDP)
+            and any(n in ("front.0.weight", "out.weight") for h in w.handles for n in h.meta.fqns)
+        ),
+    }
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("how", ["inner", "loaded", "deep", "policy", "meta"])
+def test_embedding_tied_to_the_outer_units_output_trains_like_the_plain_model(
+    pool: RankPool, how: str
+) -> None:
+    for flatten in (True, False):
+        for r in pool.run(_tied_lm, how, flatten):
+            assert max(r["diffs"].values()) <= 1e-5, r["diffs"]
+            assert r["trained"] and r["one_tensor"]
+            assert r["owners"] == ["LM"], (
+                "the root, the first wrapper around both users, owns the tied weight"
+            )
+
+
+def _siblings(outer_flat: bool, inner_flat: bool) -> dict[str, dict[str, float]]:
+    data = torch.rand(2 * dist.get_world_size(), 4, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for bias in (True, False):
+        for sharing in ("none", "weight", "bias", "both"):
+            if sharing == "bias" and not bias:
+                continue  # (fairscale skips it too)
+            model = FSDP(Siblings(bias, sharing, True, inner_flat), flatten_parameters=outer_flat)
+            out[f"{sharing}, bias={bias}"] = _train_beside(Siblings(bias, sharing), model, data)
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("outer_flat", [True, False])
+@pytest.mark.parametrize("inner_flat", [True, False])
+def test_fairscales_shared_weights_between_sibling_wrappers(
+    pool: RankPool, outer_flat: bool, inner_flat: bool
+) -> None:
+    for r in pool.run(_siblings, outer_flat, inner_flat):
+        for case, diffs in r.items():
+            assert max(diffs.values()) <= 1e-6, (case, diffs)
+
+
+def _mevo(wrap_middle: str) -> dict[str, float]:
+    data = torch.randint(0, 13, (2 * dist.get_world_size(), 4), generator=torch.Generator().manual_seed(5))
+    model = FSDP(Mevo(True, wrap_middle), flatten_parameters=False)
+    return _train_beside(Mevo(), model, data, loss=lambda y: y)  # (the model returns its loss)
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("wrap_middle", ["none", "flat", "nonflat"])
+def test_fairscales_mevo_model_with_shared_embedding(pool: RankPool, wrap_middle: str) -> None:
+    for diffs in pool.run(_mevo, wrap_middle):
+        assert max(diffs.values()) <= 1e-5, diffs
+
+
+def _tied_state_forms(tmp: str) -> dict[str, Any]:
+    import fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, model = _lm("inner", flatten_parameters=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    data = torch.randint(0, 11, (2 * world, 5), generator=torch.Generator().manual_seed(1))
+    model(data[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+    opt.step()
+    full = model.state_dict()
+    local = {k: v.clone() for k, v in model.local_state_dict().items()}
+    files: list[Any] = [None] * world
+    dist.all_gather_object(files, (local, model.local_metadata_dict()))
+    consolidated = FSDP.consolidate_shard_weights([f[0] for f in files], [f[1] for f in files])
+    optim_full = model.gather_full_optim_state_dict(opt)
+    box = [optim_full]
+    dist.broadcast_object_list(box, src=0)
+    fsdp.save_checkpoint(f"{tmp}/ckpt", model, opt)
+    _, fresh = _lm("inner", flatten_parameters=False)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    fsdp.load_checkpoint(f"{tmp}/ckpt", fresh, fresh_opt)
+    _, again = _lm("inner", flatten_parameters=False)
+    again.load_local_state_dict(local)
+    again_opt = torch.optim.Adam(again.parameters(), lr=0.1)
+    again_opt.load_state_dict(again.get_shard_from_optim_state_dict(box[0]))
+
+    def same(sd: dict[str, torch.Tensor]) -> bool:
+        return list(sd) == list(full) and all(torch.equal(sd[k], v) for k, v in full.items())
+
+    misuse = {}
+    sib = Siblings(True, "weight", wrapped=True)
+    try:
+        sib.l2.append_shared_param(sib.l1.module.weight)  # l2 does not use it
+    except ValueError as e:
+        misuse["not_used"] = str(e)
+    try:
+        sib.l3(torch.randn(2, 4))  # no wrapper around l1 and l3 yet
+    except ValueError as e:
+        misuse["no_parent"] = str(e)
+    return {
+        "keys": list(full),
+        "local_keys": sorted(k for k in local if not k.startswith("_")),
+        "consolidated": same(consolidated),
+        "checkpoint": same(fresh.state_dict()),
+        "local": same(again.state_dict()),
+        "optim_names": box[0]["param_names"],
+        "optim": _same_local_state(_local_state(again_opt), _local_state(opt)) == [],
+        "checkpoint_optim": _same_local_state(_local_state(fresh_opt), _local_state(opt)) == [],
+        "misuse": misuse,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_tied_parameters_across_wrappers_in_every_state_form(pool: RankPool, tmp_path: Any) -> None:
+    for r in pool.run(_tied_state_forms, str(tmp_path)):
+        assert r["keys"] == list(LM().state_dict()), "the plain model's keys, the tied one under both names"
+        unflattened = [
+            "blocks.0.bias",
+            "blocks.0.weight",
+            "blocks.2.bias",
+            "blocks.2.weight",
+            "front.0.weight",
+        ]
+        assert r["local_keys"] == [*unflattened, "front.1.bias", "front.1.weight", "out.weight"]
+        assert r["consolidated"] and r["checkpoint"] and r["local"], r
+        assert r["optim_names"][0] == "front.0.weight" and "out.weight" not in r["optim_names"]
+        assert r["optim"] and r["checkpoint_optim"]
+        assert "not one this wrapper's modules share" in r["misuse"]["not_used"]
+        assert "common parent" in r["misuse"]["no_parent"]
