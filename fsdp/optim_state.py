@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.tensor import DTensor
 
 from fsdp.handle import FlatParamHandle
+from fsdp.optim_fairscale import fairscale_order, one_rank_singletons, to_fairscale_form
 from fsdp.state_layout import (
     IgnoredSlot,
     Layout,
@@ -222,7 +223,7 @@ def gather_full_optim_state_dict(
     Per-element state is gathered one flat parameter at a time and moved to ``device`` (default:
     the CPU), so the recipient needs room for the whole optimizer state there, the others for one
     flat parameter's at a time. With ``fairscale_form`` the dict is also fairscale's (see
-    [Note: fairscale's optimizer state form]); without it, the state of experts
+    [Note: fairscale's optimizer state form] in ``fsdp/optim_fairscale.py``); without it, the state of experts
     (``no_broadcast_optim_state``) is refused.
     """
     if not 0 <= recipient_rank < layout.world_size:
@@ -272,46 +273,16 @@ def gather_full_optim_state_dict(
         k: copy.deepcopy(v) for k, v in optim.state_dict().items() if k not in ("state", "param_groups")
     }
     out = {**extras, "state": dict(sorted(state.items())), "param_groups": param_groups, "param_names": names}
-    if fairscale_form:
-        _to_fairscale_form(layout, groups, ids, states, uncollected, out)
+    if fairscale_form:  # See [Note: fairscale's optimizer state form] in fsdp/optim_fairscale.py
+        id_map: dict[int, int | None] = {}
+        uncollected_ids = []
+        for local, item in enumerate(h for handles in groups for h in handles):
+            stateful = bool(states.get(id(_param(item))))
+            id_map.update((ids[slot.name], local if stateful else None) for slot in _slots(layout, item))
+            if id(item) in uncollected:
+                uncollected_ids.append(local)
+        to_fairscale_form(out, id_map, uncollected_ids)
     return out
-
-
-# [Note: fairscale's optimizer state form]
-# fairscale's gather_full_optim_state_dict adds two keys that its get_shard_from_optim_state_dict
-# reads: "param_id_map" (each parameter's id -> the index of its flat parameter in the optimizer,
-# its "local id", or None for a flat parameter without state) and "uncollected_local_ids" (the
-# local ids of no_broadcast_optim_state wrappers: experts, whose state was not gathered; the
-# recipient's own is in "state"). Its reader concatenates, per local id, the state of the ids that
-# map to it in the order "state" lists them, and counts the flat parameters as the runs of equal
-# values in "param_id_map". Our ids follow the unwrapped model (a plain optimizer's numbering, so
-# the dict also loads into one), not fairscale's wrapper-by-wrapper numbering, but every flat
-# parameter's parameters are in its layout order there, and "param_id_map" lists them flat
-# parameter by flat parameter, so both readings agree. fairscale stores "step" as a number (its
-# reader would shard a 0-dim tensor); torch's optimizers turn it back into a tensor when they load.
-def _to_fairscale_form(
-    layout: Layout,
-    groups: Sequence[Sequence[Item]],
-    ids: Mapping[str, int],
-    states: Mapping[int, Mapping[str, Any]],
-    uncollected: set[int],
-    out: dict[str, Any],
-) -> None:
-    """Add fairscale's keys to a gathered dict ``out`` in place. See [Note: fairscale's optimizer state form]."""
-    id_map: dict[int, int | None] = {}
-    uncollected_ids = []
-    for local, item in enumerate(h for handles in groups for h in handles):
-        stateful = bool(states.get(id(_param(item))))
-        for slot in _slots(layout, item):
-            id_map[ids[slot.name]] = local if stateful else None
-        if id(item) in uncollected:
-            uncollected_ids.append(local)
-    for entry in out["state"].values():
-        step = entry.get("step")
-        if isinstance(step, torch.Tensor) and step.dim() == 0:
-            entry["step"] = step.item()
-    out["param_id_map"] = id_map
-    out["uncollected_local_ids"] = uncollected_ids
 
 
 def _elementwise_keys(per_param: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -379,17 +350,6 @@ def _same(a: Any, b: Any) -> bool:
         return True
 
 
-def _fairscale_order(layout: Layout) -> list[str]:
-    """How fairscale numbers a gathered state dict's parameters: wrapper by wrapper (outermost first,
-    in module order), each wrapper's own parameters in its module's ``named_parameters()`` order."""
-    position = {slot.name: k for k, slot in enumerate(layout.params)}
-    order = []
-    for unit in layout.units:
-        names = [slot.name for h in unit.handles for slot in layout.slots(h)]
-        order += sorted(names, key=position.__getitem__)
-    return order
-
-
 def _canonical_names(
     layout: Layout, groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], where: str
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -408,19 +368,6 @@ def _canonical_names(
             )
         canonical[name] = value
     return renamed, canonical
-
-
-def _one_rank_singletons(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    """fairscale keeps 0-dim state as a list with one tensor per saving rank; take this rank's (or the first)."""
-    out = dict(entry)
-    for key, value in entry.items():
-        if (
-            isinstance(value, list)
-            and value
-            and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in value)
-        ):
-            out[key] = value[rank] if rank < len(value) else value[0]
-    return out
 
 
 def get_shard_from_optim_state_dict(
@@ -447,7 +394,7 @@ def get_shard_from_optim_state_dict(
         all_ids = [i for group in saved_groups for i in group["params"]]
         name_of: dict[Any, str] = {i: i for i in all_ids}
     elif fairscale:
-        order = _fairscale_order(layout)
+        order = fairscale_order(layout)
         if len(full["param_id_map"]) != len(order) or sorted(all_ids) != list(range(len(order))):
             raise ValueError(
                 f"{where}: the fairscale state dict numbers {len(full['param_id_map'])} parameters, this model "
@@ -499,7 +446,7 @@ def get_shard_from_optim_state_dict(
                 )
             entry = saved_state.get(i, saved_state.get(str(i)))
             if entry and fairscale:
-                entry = _one_rank_singletons(entry, layout.rank)
+                entry = one_rank_singletons(entry, layout.rank)
             if entry:
                 per_name[slot.name] = entry
     covered = [h for h in layout.items if id(h) in group_of]

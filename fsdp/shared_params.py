@@ -41,7 +41,13 @@ import torch
 from torch import nn
 
 from fsdp.consistency import plain_name
-from fsdp.flat_param import collect_owned, is_placeholder, make_placeholder, set_module_tensor
+from fsdp.flat_param import (
+    collect_owned,
+    is_placeholder,
+    make_placeholder,
+    mark_flattened,
+    set_module_tensor,
+)
 from fsdp.state_layout import gather_full_flat
 
 __all__ = ["PendingTie", "adopt_tied", "check_no_pending_ties", "check_shared_param"]
@@ -107,6 +113,8 @@ def _release(
                 places.append((_join(path, plain_name(s.fqn)), module, s.param_name))
                 set_module_tensor(module, s.param_name, _stand_in(s.fqn, param), as_parameter=False)
     assert value is not None, f"{fqn} is not in the flat parameters of the wrapper at {path!r}"
+    # an optimizer built over the old flat parameters would step on nothing: its step refuses them
+    mark_flattened((_join(path, f"flat_param_{i}"), h.flat_param) for i, h in enumerate(owner.handles))
     owned, module_of, _ = collect_owned(owner.module, is_wrapper, owner._ignored)
     owner._build_handles(owned, module_of)
     del owner._original_params[id(param)]
