@@ -25,8 +25,9 @@ from torch import nn
 from fsdp._device import allocated_bytes
 from fsdp.api import FSDPConfig, ShardingStrategy, TrainingState
 from fsdp.consistency import plain_name
+from fsdp.shared_params import check_shared_param
 
-__all__ = ["FairscaleAttributes"]
+__all__ = ["FairscaleAttributes", "is_expert"]
 
 log = logging.getLogger(__name__)
 _GB = 1024**3
@@ -57,6 +58,18 @@ def _field(name: str, path: str) -> property:
     read.__name__ = name
     read.__doc__ = f"``fsdp_config.{path}`` (fairscale's ``{name}``)."
     return _option(read)
+
+
+def is_expert(wrapper: Any, root: Any) -> bool:
+    """Whether ``wrapper`` is an expert under ``root`` as fairscale defines one: its process group
+    holds one rank while the root trains over more, so each rank holds other parameters there."""
+    mine, roots = wrapper.fsdp_config.comm, root.fsdp_config.comm
+    return (
+        wrapper is not root
+        and mine.dp_world_size == 1
+        and roots.dp_world_size > 1
+        and mine.process_group is not roots.process_group
+    )
 
 
 class FairscaleAttributes:
@@ -139,7 +152,15 @@ class FairscaleAttributes:
     gradient_predivide_factor = _field("gradient_predivide_factor", "comm.gradient_predivide_factor")
     gradient_postdivide_factor = _field("gradient_postdivide_factor", "comm.gradient_postdivide_factor")
     state_dict_on_rank_0_only = _field("state_dict_on_rank_0_only", "state_dict.state_dict_on_rank_0_only")
-    no_broadcast_optim_state = _field("no_broadcast_optim_state", "no_broadcast_optim_state")
+
+    @_option
+    def no_broadcast_optim_state(self) -> bool:
+        """fairscale's flag: given to the constructor, or set as fairscale's root sets it at its first
+        forward, for a wrapper whose process group holds one rank inside a root over more (an expert)."""
+        ctx = self._ctx if self._is_root is False else None
+        root = ctx.wrappers[0] if ctx is not None and ctx.wrappers else None
+        return self.fsdp_config.no_broadcast_optim_state or (root is not None and is_expert(self, root))
+
     allow_reset_parameters = _field("allow_reset_parameters", "allow_reset_parameters")
     verbose = _field("verbose", "verbose")
     # torch FSDP's
@@ -249,8 +270,15 @@ class FairscaleAttributes:
 
     def non_shared_params(self) -> list[nn.Parameter]:
         """fairscale: the parameters not shared with another wrapper; here every one of ``params``
-        (a parameter tied across wrappers is refused at construction)."""
+        (a parameter tied across wrappers is owned by the innermost wrapper around all its users)."""
         return self.params
+
+    def append_shared_param(self, p: torch.Tensor) -> None:
+        """fairscale's declaration that this wrapper's module uses ``p``, a parameter of another
+        wrapper (or the placeholder that wrapper's module shows for it). Ties across wrappers are
+        found without it (see [Note: parameters shared across wrappers] in
+        ``fsdp/shared_params.py``): this checks that the module does use ``p``, else ``ValueError``."""
+        check_shared_param(self, p)
 
     @_option
     def numel_padded_per_param(self) -> list[int]:

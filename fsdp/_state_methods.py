@@ -343,10 +343,16 @@ class StateDictMethods:
         self, optim: torch.optim.Optimizer, **ignored: Any
     ) -> dict[str, Any] | None:
         """The optimizer state per original parameter (a plain optimizer's state dict over the unwrapped
-        model, plus ``"param_names"``), on rank 0 only (``recipient_rank=r``: on rank r); None on the
-        other ranks. Collective. Other keyword arguments are ignored, as in fairscale."""
+        model, plus ``"param_names"`` and fairscale's ``"param_id_map"`` and ``"uncollected_local_ids"``,
+        readable by fairscale's ``get_shard_from_optim_state_dict``), on rank 0 only
+        (``recipient_rank=r``: on rank r); None on the other ranks. Collective. ``fairscale_form=False``
+        leaves fairscale's keys out (and ``step`` a tensor). Other keyword arguments are ignored, as in
+        fairscale."""
         recipient_rank = int(ignored.pop("recipient_rank", 0))
-        return optim_impl.gather_full_optim_state_dict(self._state_layout(), optim, recipient_rank)
+        fairscale_form = bool(ignored.pop("fairscale_form", True))
+        return optim_impl.gather_full_optim_state_dict(
+            self._state_layout(), optim, recipient_rank, fairscale_form=fairscale_form
+        )
 
     def get_shard_from_optim_state_dict(
         self, full_optim_state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None

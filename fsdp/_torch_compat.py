@@ -387,7 +387,7 @@ def _root(model: nn.Module, what: str, group: Any = None) -> Any:
 def _full_named(root: Any, optim: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
     """The full optimizer state keyed by parameter name (torch's full form), on rank 0 or on every
     rank; ``{}`` on the others. Collective."""
-    full = root.gather_full_optim_state_dict(optim)
+    full = root.gather_full_optim_state_dict(optim, fairscale_form=False)
     if not rank0_only:
         full = _broadcast_object(full, root._state_layout())
     if full is None:

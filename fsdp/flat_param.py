@@ -39,7 +39,6 @@ __all__ = [
     "ParamInfo",
     "SharedParamInfo",
     "check_no_parameters_added",
-    "check_not_owned_by_inner",
     "claim_modules",
     "collect_owned",
     "group_params",
@@ -49,6 +48,7 @@ __all__ = [
     "own_parameters",
     "resharded_in_backward",
     "set_module_tensor",
+    "split_tied",
     "unflatten_views",
     "unsynced",
 ]
@@ -427,23 +427,18 @@ def check_no_parameters_added(
         stack.extend((c, f"{prefix}{n}.") for n, c in m._modules.items() if c is not None)
 
 
-def check_not_owned_by_inner(
+def split_tied(
     owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]], others: Iterable[Any] = ()
-) -> None:
-    """Refuse a parameter that an inner wrapper already owns, or any other live wrapper (``others``:
-    a sibling wrapped before, with which it is tied). Wrappers remember their original parameters,
-    the meta ones of a deferred initialization included, in ``_original_params``."""
-    where = [(f"the inner wrapper at {path!r}", w) for path, wrapper in inner for w in wrapper._wrappers()]
-    inner_ids = {id(w) for _, w in where}
-    where += [("another wrapper, made before this one", w) for w in others if id(w) not in inner_ids]
-    for label, w in where:
-        for fqn, p in owned:
-            if w._original_params.get(id(p)) is p:
-                raise ValueError(
-                    f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of "
-                    f"{label}; a tied (shared) parameter must be owned by one wrapper. Put both modules that "
-                    "use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
-                )
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """Split ``owned`` into the parameters that are new to wrapping and those that an inner wrapper,
+    or any other live wrapper (``others``: a sibling wrapped before), already owns: tied (shared)
+    with a module of this one. Wrappers remember their original parameters, the meta ones of a
+    deferred initialization included, in ``_original_params``. See [Note: parameters shared across
+    wrappers] in ``fsdp/shared_params.py``."""
+    wrappers = [w for _, wrapper in inner for w in wrapper._wrappers()] + list(others)
+    taken = {id(p) for w in wrappers for p in w._original_params.values()}
+    kept = [(fqn, p) for fqn, p in owned if id(p) not in taken]
+    return kept, [(fqn, p) for fqn, p in owned if id(p) in taken]
 
 
 # module -> weak reference to the live wrapper that flattened its parameters
@@ -559,19 +554,23 @@ def own_parameters(
     dict[str, nn.Module],
     list[tuple[str, Any]],
     list[tuple[str, nn.Parameter]],
+    list[tuple[str, nn.Parameter]],
 ]:
-    """What a new wrapper of ``module`` owns: :func:`collect_owned` after the tie checks (``others``:
-    the live wrappers) and after materializing a unit built on the meta device on ``device``. Also
-    returns the meta parameters that materialization replaced (empty if none). Ignored modules are
-    not materialized (an ignored parameter of a materialized module is, like torch's)."""
+    """What a new wrapper of ``module`` owns: :func:`collect_owned` less the parameters other wrappers
+    own (``others``: the live wrappers), after materializing a unit built on the meta device on
+    ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
+    the names in this wrapper's modules of parameters that another wrapper owns (tied across wrappers,
+    :func:`split_tied`), each with the owner's original parameter. Ignored modules are not
+    materialized (an ignored parameter of a materialized module is, like torch's)."""
     owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
     _check_not_wrapped_already(module_of)
-    check_not_owned_by_inner(owned, inner, others)
-    _check_not_tied_to_ignored(owned, ignored)
+    owned, tied = split_tied(owned, inner, others)
+    _check_not_tied_to_ignored([*owned, *tied], ignored)
     replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
-    if replaced:
+    if replaced:  # (a tied name now holds a materialized stand-in: it stays the owner's parameter)
         owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
-    return owned, module_of, inner, replaced
+        owned = [(fqn, p) for fqn, p in owned if fqn not in {name for name, _ in tied}]
+    return owned, module_of, inner, replaced, tied
 
 
 def _check_not_tied_to_ignored(owned: list[tuple[str, nn.Parameter]], ignored: IgnoredStates) -> None:

@@ -33,7 +33,7 @@ from torch.profiler import record_function as _record_function
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp._fairscale_attrs import FairscaleAttributes
+from fsdp._fairscale_attrs import FairscaleAttributes, is_expert
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
@@ -92,6 +92,7 @@ from fsdp.handle import (
 from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
+from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
@@ -206,6 +207,7 @@ class FullyShardedDataParallel(
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
+    _pending_ties: list[PendingTie]  # places of parameters owned by a wrapper outside this one
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
 
     def __init__(
@@ -358,12 +360,15 @@ class FullyShardedDataParallel(
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
         try:
-            owned, module_of, inner, before = own_parameters(
+            owned, module_of, inner, before, tied = own_parameters(
                 module, is_wrapper, _LIVE, target, param_init_fn, ignored
             )
         finally:
             for w in nested:
                 w._frozen = False
+        # original parameter order of the modules holding owned or tied parameters (before the ties move)
+        owning = {fqn.rpartition(".")[0] for fqn, _ in [*owned, *tied]}
+        self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
         device = choose_compute_device(
             compute_device,
             module,
@@ -378,28 +383,18 @@ class FullyShardedDataParallel(
         precision = config.precision
         self._fsdp_wrapped_module = module
         self._outer = None
-        owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
-        self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
-        stats = CommStats()
+        # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
+        # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
+        adopted, originals, orders = adopt_tied(self, module, tied, module_of, nested, _LIVE, is_wrapper)
+        owned = [*owned, *adopted]
         self.handles = []
-        for entries, shared in group_params(owned, flatten_parameters):
-            handle = FlatParamHandle(
-                entries,
-                shared,
-                module_of,
-                self.fsdp_config.comm,
-                device,
-                stats,
-                precision.param_dtype,
-                precision.reduce_dtype,
-                offload.params_to_cpu,
-            )
-            self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
-            self.handles.append(handle)
+        self._build_handles(owned, module_of)
         mark_flattened([*before, *owned])
         claim_modules(self, self._module_param_order)
-        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
-        self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)
+        self._module_param_order.update(orders)  # (modules of inner wrappers showing adopted parameters)
+        originals = [*before, *owned, *originals]
+        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in originals})
+        self._original_names = {id(p): fqn for fqn, p in reversed(originals)}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._ignored = ignored
         self._buffer_dtypes = move_owned_buffers(
@@ -408,9 +403,6 @@ class FullyShardedDataParallel(
         if sync_module_states:
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
             broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
-        for handle in self.handles:  # See [Note: gradient accumulators] in fsdp/grad_hooks.py
-            if handle.requires_grad:
-                handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
@@ -420,6 +412,29 @@ class FullyShardedDataParallel(
         for _, w in inner:  # last: a constructor that raised leaves its inner wrappers free
             w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         _LIVE.add(self)
+
+    def _build_handles(self, owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn.Module]) -> None:
+        """Flatten and shard ``owned`` into this wrapper's flat parameters, replacing those it had."""
+        for i in range(len(self.handles)):
+            del self._parameters[f"flat_param_{i}"]
+        config, stats = self.fsdp_config, CommStats()
+        self.handles = []
+        for entries, shared in group_params(owned, config.sharding.flatten_parameters):
+            handle = FlatParamHandle(
+                entries,
+                shared,
+                module_of,
+                config.comm,
+                config.compute_device,
+                stats,
+                config.precision.param_dtype,
+                config.precision.reduce_dtype,
+                config.offload.params_to_cpu,
+            )
+            self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
+            self.handles.append(handle)
+            if handle.requires_grad:  # See [Note: gradient accumulators] in fsdp/grad_hooks.py
+                handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
 
     # ------------------------------------------------------------------ module forwarding
     @property
@@ -558,6 +573,7 @@ class FullyShardedDataParallel(
                         "no_sync() before the outer wrapper's first forward"
                     )
                 w._release_context()
+        check_no_pending_ties(wrappers, _LIVE)
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
@@ -873,9 +889,10 @@ class FullyShardedDataParallel(
         """Clip the gradients of the whole model by their global norm; return that norm.
 
         Call it on the root after backward, on every rank. The norm is computed over every rank's
-        gradient shards (one all-reduce per shard group), so it is identical on all ranks and equal
-        to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count once,
-        with this rank's gradients (they are not reduced).
+        gradient shards (one all-reduce over the data-parallel group; replicas counted once, expert
+        units on smaller groups once per rank that holds them), so it is identical on all ranks and
+        equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count
+        once, with this rank's gradients (they are not reduced).
         """
         self._require_root("clip_grad_norm_()")
         ctx = self._ctx
@@ -888,8 +905,9 @@ class FullyShardedDataParallel(
             )
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
         ignored = {id(p): p for w in ctx.wrappers for p in w._ignored.tensors() if p.requires_grad}
+        group, device = self.fsdp_config.comm.dp_group, self.compute_device
         return clip_grad_norm_(
-            handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats, list(ignored.values())
+            handles, float(max_norm), float(norm_type), device, ctx.stats, [*ignored.values()], group
         )
 
     def _require_root(self, what: str) -> None:
@@ -918,8 +936,9 @@ class FullyShardedDataParallel(
                 tuple(w.handles),
                 w._module_param_order,
                 w._buffer_dtypes,
-                w.fsdp_config.no_broadcast_optim_state,
+                w.fsdp_config.no_broadcast_optim_state or is_expert(w, self),
                 w._ignored,
+                w.fsdp_config.sharding.flatten_parameters,
             )
             for w in wrappers
         }

@@ -736,41 +736,48 @@ def clip_grad_norm_(
     device: torch.device,
     stats: CommStats,
     plain: Sequence[torch.Tensor] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the shard gradients of ``handles`` and the gradients of the ``plain`` parameters
     (ignored ones: the same on every rank, not sharded) by their global ``norm_type``-norm; return
     the norm.
 
-    ``|g|^p`` is summed (max for the inf-norm) over the local shards per shard group, padding
-    contributing zeros, and all-reduced once per group; unsharded (NO_SHARD) gradients are complete
-    locally, so replicas are never counted twice, and neither are ``plain`` gradients, which are
-    added locally after the reductions. Collective over the shard groups.
+    ``group`` is the data-parallel group of the root (every rank that trains the model). Each rank
+    adds ``|g|^p`` (max for the inf-norm) of the shards it holds, padding contributing zeros, and
+    one all-reduce over ``group`` sums them. A shard that several ranks hold (the replicas of
+    ``NO_SHARD`` and ``HYBRID_SHARD``) is counted by the first rank of its replicate group only, and
+    a unit sharded over a smaller group than ``group`` (an expert on a per-rank group: each rank holds
+    other parameters) is counted on each rank that holds a part of it, so every parameter of the
+    model counts once. ``plain`` gradients are added locally after the reduction. Collective over
+    ``group``. Example, world size 2, a shared unit sharded over both ranks (shard norms² 3 and 4)
+    and an expert per rank on a one-rank group (norms² 5 and 6)::
+
+        rank 0: 3 + 5, rank 1: 4 + 6 -> all-reduce: 18 on both -> norm sqrt(18) on both
     """
     p = norm_type
     if not (p > 0):  # also NaN; -inf and p <= 0 are no norms of the concatenated gradients
         raise ValueError(
             f"clip_grad_norm_: norm_type must be > 0 (or math.inf), got {norm_type}; use 2.0 for the usual norm"
         )
-    partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
+    first_replica: dict[int, bool] = {}  # id(replicate group) -> this rank is its first
+    total = torch.zeros((), device=device)
     for h in handles:
+        replicas = h.comm.replicate_group
+        if replicas is not None:
+            if id(replicas) not in first_replica:
+                first_replica[id(replicas)] = dist.get_rank(replicas) == 0
+            if not first_replica[id(replicas)]:
+                continue  # another rank counts this shard
         grad = h.flat_param.grad
         if grad is None or grad.numel() == 0:
-            value = torch.zeros((), device=device)
-        elif p == math.inf:
-            value = grad.detach().abs().max().float()
+            continue
+        if p == math.inf:
+            total = torch.maximum(total, grad.detach().abs().max().float().to(device))
         else:
-            value = torch.linalg.vector_norm(grad.detach().float(), p) ** p
-        group = h.comm.process_group if h.spec.world_size > 1 else None
-        if id(group) in partial:
-            old = partial[id(group)][1]
-            value = torch.maximum(old, value.to(device)) if p == math.inf else old + value.to(device)
-        partial[id(group)] = (group, value.to(device))
-    total = torch.zeros((), device=device)
-    for group, value in partial.values():
-        if group is not None:
-            op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-            all_reduce(value, group, op=op, stats=stats).wait()
-        total = torch.maximum(total, value) if p == math.inf else total + value
+            total = total + (torch.linalg.vector_norm(grad.detach().float(), p) ** p).to(device)
+    if group is not None:
+        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+        all_reduce(total, group, op=op, stats=stats).wait()
     for param in plain:
         if param.grad is not None and param.grad.numel() > 0:
             g = param.grad.detach()

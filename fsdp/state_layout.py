@@ -72,6 +72,7 @@ class UnitSpec:
     ]  # owned buffer (name relative to `wrapped`) -> dtype before wrapping
     no_broadcast_optim_state: bool = False
     ignored: IgnoredStates = NOTHING_IGNORED  # what the wrapper leaves alone
+    flatten: bool = True  # flatten_parameters: False names each (one-parameter) handle by its parameter
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Unit:
     path: str  # the wrapper's module path in the unwrapped model ("" for the root)
     handles: tuple[FlatParamHandle, ...]
     no_broadcast_optim_state: bool
+    flatten: bool = True  # flatten_parameters of the wrapper
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,12 @@ def describe(
         wrapper_spec = units.get(id(m))
         if wrapper_spec is not None:
             found.append(
-                Unit(prefix[:-1], tuple(wrapper_spec.handles), wrapper_spec.no_broadcast_optim_state)
+                Unit(
+                    prefix[:-1],
+                    tuple(wrapper_spec.handles),
+                    wrapper_spec.no_broadcast_optim_state,
+                    wrapper_spec.flatten,
+                )
             )
             items.extend(wrapper_spec.handles)
             stack.append((wrapper_spec.wrapped, prefix, wrapper_spec, "", False))

@@ -79,7 +79,10 @@ def optim_diff(full: Mapping[str, Any], ref: Mapping[str, Any]) -> float:
         if set(mine) != set(entry):
             return float("inf")
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
+            if key == "step" and isinstance(value, torch.Tensor) and not isinstance(mine[key], torch.Tensor):
+                if value.dim() != 0 or float(mine[key]) != value.item():  # fairscale's form: a number
+                    return float("inf")
+            elif isinstance(value, torch.Tensor):
                 if mine[key].shape != value.shape:
                     return float("inf")
                 worst = max(
