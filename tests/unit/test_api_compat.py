@@ -19,6 +19,7 @@ from torch import nn
 
 import fsdp
 from fsdp import FSDP, FullyShardedDataParallel, ProcessGroupName, TrainingState
+from fsdp._torch_methods import InstanceOrStatic
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -86,7 +87,10 @@ def test_constructor_matches_fairscale_names_order_and_defaults() -> None:
 
 @pytest.mark.parametrize("name", FAIRSCALE_METHODS)
 def test_methods_take_fairscale_arguments(name: str) -> None:
-    ours = [n for n, _ in _params(getattr(FullyShardedDataParallel, name))]
+    # (an instance's method: where torch has a static function of the same name, the class gives torch's)
+    attr = inspect.getattr_static(FullyShardedDataParallel, name)
+    method = attr.method if isinstance(attr, InstanceOrStatic) else getattr(FullyShardedDataParallel, name)
+    ours = [n for n, _ in _params(method)]
     theirs = [n for n, _ in _params(getattr(FairscaleFSDP, name))]
     # our state_dict / load_state_dict accept torch's keyword arguments besides fairscale's *args/**kwargs
     if name in ("state_dict", "local_state_dict", "load_local_state_dict"):
