@@ -103,20 +103,29 @@ def test_an_ignored_module_may_hold_a_wrapper(pool: RankPool, use_orig_params: b
         assert all(math.isfinite(x) for x in r["losses"])
 
 
-def _outside_the_root() -> list[int]:
+def _outside_the_root() -> tuple[list[int], float, float]:
     """torch's ``test_ignored_modules_not_under_wrapped_root``: the same list given to the wrappers of
-    ``layer1`` and ``layer3``; for ``layer3`` the modules are outside and passed over silently."""
+    ``layer1`` and ``layer3``; for ``layer3`` the modules are outside and passed over silently (its
+    gradient norm counts its own parameters only, not the outside modules' gradients)."""
     model = Model()
     ignored = list(model.layer1.children())[1:]
     model.layer1 = FSDP(model.layer1, ignored_modules=ignored)  # type: ignore[assignment]
     model.layer3 = FSDP(model.layer3, ignored_modules=ignored)  # type: ignore[assignment]
     _train(model)
-    return [_managed(model.layer1), _managed(model.layer3)]  # type: ignore[arg-type]
+    for m in ignored:  # gradients that must not count towards layer3's norm
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+    model.layer3(torch.randn(4, 2, generator=torch.Generator().manual_seed(5))).pow(2).sum().backward()
+    norm = model.layer3.clip_grad_norm_(1e6).item()  # type: ignore[operator]
+    with FSDP.summon_full_params(model.layer3, with_grads=True):
+        own = sum(p.grad.pow(2).sum().item() for p in model.layer3.parameters()) ** 0.5
+    return [_managed(model.layer1), _managed(model.layer3)], norm, own  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_modules_outside_the_wrapped_module_are_passed_over(pool: RankPool) -> None:
-    assert pool.run(_outside_the_root) == [[24, 6], [24, 6]]
+    for managed, norm, own in pool.run(_outside_the_root):
+        assert managed == [24, 6] and norm > 0 and norm == pytest.approx(own), (norm, own)
 
 
 def _policy_and_ignored_states(policy: Any, ignore_bias: bool) -> list[tuple[int, int]]:

@@ -121,6 +121,12 @@ def test_the_instance_forms(single_rank_group: None) -> None:
     with model.summon_full_params(model, writeback=False), torch.no_grad():
         model.module.weight.add_(1.0)
     assert torch.equal(model.state_dict()["weight"], before)
+    with model.summon_full_params(model, True, True), torch.no_grad():  # torch: (module, recurse, writeback)
+        model.module.weight.add_(1.0)
+    before = before + 1
+    assert torch.equal(model.state_dict()["weight"], before), (
+        "the third positional argument is torch's writeback"
+    )
     with model.summon_full_params(True, True), torch.no_grad():  # fairscale: volatile=True
         model.module.weight.add_(1.0)
     assert torch.equal(model.state_dict()["weight"], before)
