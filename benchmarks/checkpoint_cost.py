@@ -1,6 +1,6 @@
 """What the checkpoints' checksums cost: save and load with and without them, paired, interleaved.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_cost.py [--size 35M] [--rounds 6] \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.checkpoint_cost [--size 35M] [--rounds 6] \
         [--dir out/checkpoint_cost]
 
 The example's GPT at a size of ``benchmarks/peers.py`` (one FSDP unit per block plus the root) and
@@ -31,15 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example, wrap_blocks  # noqa: E402
-from peers import SIZES  # noqa: E402
-
-import fsdp.checkpoint_files as checkpoint_files  # noqa: E402
-import fsdp.checkpoint_io as checkpoint_io  # noqa: E402
-from fsdp import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+import fsdp.checkpoint_files as checkpoint_files
+import fsdp.checkpoint_io as checkpoint_io
+from benchmarks._example import wrap_blocks
+from benchmarks.peers import SIZES
+from examples.gpt import GPT
+from fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
 
 HASHING = [0.0]  # wall seconds this rank spent computing checksums, since the last reset
 
@@ -89,10 +86,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    example = load_example()
     n_layer, n_embd, n_head = SIZES[args.size]
     torch.manual_seed(args.seed)
-    model = wrap_blocks(example.GPT(96, 64, n_layer, n_embd, n_head, 0.0))
+    model = wrap_blocks(GPT(96, 64, n_layer, n_embd, n_head, 0.0))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(96, (8, 64), generator=torch.Generator().manual_seed(rank))
     _, loss = model(x, x)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import allocated_bytes
-from fsdp.api import FSDPConfig, ShardingStrategy, TrainingState
+from fsdp.api import CPUOffload, FSDPConfig, MixedPrecision, ShardingStrategy, TrainingState
 from fsdp.consistency import plain_name
 from fsdp.shared_params import check_shared_param
 
@@ -74,6 +74,7 @@ def is_expert(wrapper: Any, root: Any) -> bool:
 
 class FairscaleAttributes:
     fsdp_config: FSDPConfig
+    _torch_options: Any  # fsdp._torch_compat.TorchOptions: torch's view of the options, if built its way
     handles: list[Any]
     training_state: TrainingState
     _reshard_after_forward: bool
@@ -140,7 +141,12 @@ class FairscaleAttributes:
     def move_grads_to_cpu(self) -> bool:
         return self.fsdp_config.offload.grads_to_cpu
 
-    cpu_offload = move_params_to_cpu  # fairscale's older name
+    @property
+    def cpu_offload(self) -> bool | CPUOffload:
+        """fairscale's older name of :attr:`move_params_to_cpu`; on a wrapper built torch's way,
+        torch's ``CPUOffload`` object (``model.cpu_offload.offload_params``)."""
+        shown = self._torch_options.cpu_offload
+        return self.move_params_to_cpu if shown is None else shown
 
     # fairscale's resolved options, as stored
     process_group_reduce_scatter = _field("process_group_reduce_scatter", "comm.process_group_reduce_scatter")
@@ -168,9 +174,12 @@ class FairscaleAttributes:
     limit_all_gathers = _field("limit_all_gathers", "schedule.limit_all_gathers")
 
     @_option
-    def mixed_precision(self) -> bool:
-        """Whether parameters are cast for the all-gather and compute."""
-        return self.fsdp_config.precision.mixed
+    def mixed_precision(self) -> bool | MixedPrecision:
+        """Whether parameters are cast for the all-gather and compute (fairscale's flag); on a
+        wrapper built torch's way, torch's ``MixedPrecision`` object (``MixedPrecision()`` when none
+        was given), which is true when it casts the parameters."""
+        shown = self._torch_options.mixed_precision
+        return self.fsdp_config.precision.mixed if shown is None else shown
 
     @_option
     def compute_dtype(self) -> torch.dtype:

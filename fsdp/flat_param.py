@@ -281,13 +281,18 @@ def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_par
 # equal across ranks is the user's affair, as in torch. A parameter is ignored by where it is
 # registered, (module, attribute), not by identity, so a meta parameter that a deferred
 # initialization replaces stays ignored. The walks that decide what a wrapper owns
-# (:func:`collect_owned`, :func:`check_no_parameters_added`, the buffer move) stop at an ignored
-# module; the state-dict layout walks into it and lists its parameters as ignored slots.
+# (:func:`collect_owned`, :func:`check_no_parameters_added`, the buffer move) take nothing from an
+# ignored module (:func:`collect_owned` enters it only to find the wrappers inside, which stay
+# managed, as in torch); the state-dict layout walks into it and lists its parameters as ignored
+# slots. A module attached after wrapping at a new path (torch's skip idiom) is adopted as ignored
+# (:func:`attached_after_wrapping`, :meth:`IgnoredStates.with_attached`).
 class IgnoredStates:
     """What one wrapper leaves alone. See [Note: ignored modules]."""
 
     roots: tuple[nn.Module, ...]  # the ignored modules as given (none when parameters were given)
     params: tuple[nn.Parameter, ...]  # the ignored parameters as given (ignored_states=[parameters])
+    detached: weakref.WeakSet[nn.Module]  # modules given but outside the wrapped module then: attached
+    # after wrapping (torch's skip idiom), they are ignored without a warning
     _modules: dict[int, nn.Module]  # every module inside an ignored module, the roots included, by id
     _locations: dict[tuple[int, str], nn.Module]  # (id(module), attribute) of every name of an ignored
     # parameter -> that module
@@ -297,9 +302,11 @@ class IgnoredStates:
         roots: Iterable[nn.Module] = (),
         params: Iterable[nn.Parameter] = (),
         module: nn.Module | None = None,
+        detached: Iterable[nn.Module] = (),
     ) -> None:
         """``roots`` and ``params`` must lie inside ``module`` (the wrapped module); checked by the caller."""
         self.roots, self.params = tuple(roots), tuple(params)
+        self.detached = weakref.WeakSet(detached)
         self._modules = {id(m): m for r in self.roots for m in r.modules()}
         wanted = {id(p) for p in self.params}
         self._locations = {}
@@ -328,6 +335,10 @@ class IgnoredStates:
             if p is not None:
                 found[id(p)] = p
         return list(found.values())
+
+    def with_attached(self, modules: Iterable[nn.Module], module: nn.Module) -> IgnoredStates:
+        """These, and ``modules`` (attached inside ``module``, the wrapped module, after wrapping) ignored too."""
+        return IgnoredStates([*self.roots, *modules], self.params, module, self.detached)
 
     def inside(self, module: nn.Module) -> IgnoredStates:
         """The part of these that lies inside ``module`` (for a wrapper built there by a policy)."""
@@ -362,12 +373,11 @@ def collect_owned(
         if m is not module and is_wrapper(m):
             inner.append((prefix[:-1], m))
             continue
-        if m is not module and ignored.has_module(m):
-            continue
-        module_of[prefix.rstrip(".")] = m
-        for name, p in m._parameters.items():
-            if p is not None and not ignored.has_param(m, name):
-                owned.append((prefix + name, p))
+        if m is module or not ignored.has_module(m):  # (an ignored module is entered for the wrappers in it)
+            module_of[prefix.rstrip(".")] = m
+            for name, p in m._parameters.items():
+                if p is not None and not ignored.has_param(m, name):
+                    owned.append((prefix + name, p))
         children = [(c, prefix + name + ".") for name, c in m._modules.items() if c is not None]
         stack.extend(reversed(children))  # depth first, in module order
     return owned, module_of, inner
@@ -376,8 +386,10 @@ def collect_owned(
 # [Note: parameters added after wrapping]
 # A wrapped module holds no parameters of its own while idle (the flat parameters replaced them),
 # so one found there was added after wrapping: nothing shards or reduces it, and each rank would
-# train it on its own gradients. The root looks at its first forward, and again at a later forward
-# only when some module of the process registered a parameter or a submodule since its last look
+# train it on its own gradients (a whole submodule attached at a path the module did not have is
+# torch's skip idiom instead, adopted as ignored first: see [Note: ignored modules]). The root
+# looks at its first forward, and again at a later forward only when some module of the process
+# registered a parameter or a submodule since its last look
 # (torch's global registration hooks bump a counter), so a step costs one integer comparison. A
 # model whose forward builds modules (``nn.GELU()`` in forward) moves the counter every step, and
 # pays a walk of the module tree per forward.
@@ -425,6 +437,41 @@ def check_no_parameters_added(
                 "reduces them. Change the model before wrapping it"
             )
         stack.extend((c, f"{prefix}{n}.") for n, c in m._modules.items() if c is not None)
+
+
+def attached_after_wrapping(
+    module: nn.Module,
+    is_wrapper: Callable[[nn.Module], bool],
+    paths_at_wrap: frozenset[str],
+    ignored: IgnoredStates = NOTHING_IGNORED,
+) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``module`` (the wrapped module) that hold parameters at a path it did not have
+    when it was wrapped: attached after wrapping (torch's skip idiom: a module taken out before
+    wrapping and put back after), outermost ones. A module at a path it had is a replaced one."""
+    found: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[nn.Module, str]] = [(module, "")]
+    while stack:
+        m, path = stack.pop()
+        if m is not module and (is_wrapper(m) or ignored.has_module(m)):
+            continue
+        if path not in paths_at_wrap:
+            if any(
+                p is not None for sub in _unwrapped_modules(m, is_wrapper) for p in sub._parameters.values()
+            ):
+                found.append((path, m))
+            continue
+        stack.extend((c, f"{path}.{n}" if path else n) for n, c in m._modules.items() if c is not None)
+    return found
+
+
+def _unwrapped_modules(module: nn.Module, is_wrapper: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    out, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        if m is module or not is_wrapper(m):
+            out.append(m)
+            stack.extend(c for c in m._modules.values() if c is not None)
+    return out
 
 
 def split_tied(

@@ -38,12 +38,17 @@ from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
-    TorchFSDPMethods,
+    TorchOptions,
+    adopt_attached,
+    check_full_prec_in_eval,
+    full_precision_in_eval,
     resolve_ignored,
     torch_fsdp_options,
+    torch_options_of,
     without_own_precision,
     wrap_children_with_policy,
 )
+from fsdp._torch_methods import InstanceOrStatic, TorchFSDPMethods
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -70,6 +75,7 @@ from fsdp.consistency import (
 )
 from fsdp.flat_param import (
     IgnoredStates,
+    attached_after_wrapping,
     check_no_parameters_added,
     claim_modules,
     collect_owned,
@@ -89,7 +95,7 @@ from fsdp.handle import (
     free_unused_prefetches,
     make_no_shard_bucketer,
 )
-from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
+from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
 from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
@@ -208,6 +214,17 @@ class FullyShardedDataParallel(
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
     _pending_ties: list[PendingTie]  # places of parameters owned by a wrapper outside this one
+    _torch_options: TorchOptions  # torch FSDP1's view of the options (its attributes, full precision in eval)
+    _paths_at_wrap: frozenset[
+        str
+    ]  # the wrapped module's submodule paths at construction (ignored ones left out)
+
+    # torch FSDP1's static functions where fairscale has methods of the same names: the class's are
+    # torch's (any model), an instance's fairscale's (see fsdp/_torch_methods.py)
+    summon_full_params = InstanceOrStatic(SummonMethods.summon_full_params, TorchFSDPMethods._summon_any)
+    sharded_optim_state_dict = InstanceOrStatic(
+        StateDictMethods.sharded_optim_state_dict, TorchFSDPMethods._sharded_optim_state_dict_any
+    )
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
 
     def __init__(
@@ -397,6 +414,8 @@ class FullyShardedDataParallel(
         self._original_names = {id(p): fqn for fqn, p in reversed(originals)}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._ignored = ignored
+        self._paths_at_wrap = frozenset(module_of)
+        self._torch_options = torch_options_of(options, offload.params_to_cpu)
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: is_wrapper(m) or ignored.has_module(m)
         )
@@ -591,6 +610,7 @@ class FullyShardedDataParallel(
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
+        check_full_prec_in_eval(wrappers)
         _make_bucketer(self, ctx)
 
     def _check_modules(
@@ -615,6 +635,7 @@ class FullyShardedDataParallel(
                 for h in w.handles:
                     if h._placeholders_set:  # a replaced attribute gets its own, sharper message
                         h._check_placeholders()
+                w._adopt_attached(wrapper_path(self, w) or "<root>")
                 check_no_parameters_added(
                     w.module,
                     lambda m: isinstance(m, FullyShardedDataParallel),
@@ -622,6 +643,13 @@ class FullyShardedDataParallel(
                     w._ignored,
                 )
         ctx.registrations = count
+
+    def _adopt_attached(self, where: str) -> None:
+        """Ignore the modules attached inside this wrapper after wrapping (torch's skip idiom)."""
+        is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
+        found = attached_after_wrapping(self.module, is_wrapper, self._paths_at_wrap, self._ignored)
+        if found:
+            self._ignored = adopt_attached(self._ignored, found, self.module, where)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -632,7 +660,11 @@ class FullyShardedDataParallel(
         assert self._ctx is not None
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
-        args, kwargs = self._cast_forward_inputs(args, kwargs)
+        full = full_precision_in_eval(
+            self._torch_options, precision.mixed, self.module.training, grad_enabled
+        )
+        if not full:
+            args, kwargs = self._cast_forward_inputs(args, kwargs)
         scheduler = self._ctx.scheduler
         if self._is_root:
             scheduler.start_iteration()
@@ -643,15 +675,19 @@ class FullyShardedDataParallel(
                 with record_function("FSDP::all_gather"):
                     scheduler.throttle()
                     for h in self.handles:
-                        h.prefetch()
+                        h.prefetch(full)
                     scheduler.on_forward(self)  # See [Note: prefetch]
                     hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
                     for h in self.handles:
-                        h.unshard()
+                        h.unshard(full)
                         h.use_full_views(as_parameters=False, before_concat=hook)
                         if token is not None:
                             h.accumulators.note(token)
-                outputs = self._fsdp_wrapped_module(*args, **kwargs)
+                if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
+                    with buffers_in_dtypes(self.module, self._buffer_dtypes):
+                        outputs = self._fsdp_wrapped_module(*args, **kwargs)
+                else:
+                    outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
                 # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
                 # full parameters stay until the next forward. See [Note: no_sync].
@@ -921,15 +957,18 @@ class FullyShardedDataParallel(
 
     # ------------------------------------------------------------------ state dicts
     # The methods are in fsdp/_state_methods.py; their bodies in fsdp/state_dict.py and fsdp/optim_state.py.
-    def _state_layout(self) -> Any:
-        """Where every original parameter and buffer of this wrapper tree lives (a ``fsdp.state_dict.Layout``).
+    def _state_layout(self, root: nn.Module | None = None) -> Any:
+        """Where every original parameter and buffer of this wrapper tree lives (a ``fsdp.state_dict.Layout``);
+        of ``root`` instead, a plain module holding this wrapper, when given (torch's whole-model functions).
 
         Used by the state-dict and optimizer-state methods (``StateDictMethods``) and by ``fsdp.checkpoint_io``.
         Every wrapper must be IDLE.
         """
-        wrappers = self._wrappers()
+        root = self if root is None else root
+        wrappers = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
+            w._adopt_attached(w._fsdp_wrapped_module.__class__.__name__)
         units = {
             id(w): sd_impl.UnitSpec(
                 w.module,
@@ -945,7 +984,7 @@ class FullyShardedDataParallel(
         comm = self.fsdp_config.comm
         assert comm.dp_group is not None
         return sd_impl.describe(
-            self, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
+            root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
         )
 
 

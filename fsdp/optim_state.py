@@ -99,6 +99,13 @@ def _groups_of(layout: Layout, optim: torch.optim.Optimizer) -> list[list[Item]]
     return groups
 
 
+def _canonical(layout: Layout, items: Sequence[Item]) -> list[Item]:
+    """``items`` (one param group's) in the model's order: the order collectives run in, the same on
+    every rank whatever order each rank's optimizer lists its parameters in (torch allows that)."""
+    position = {id(h): i for i, h in enumerate(layout.items)}
+    return sorted(items, key=lambda h: position[id(h)])
+
+
 def _flat_states(optim: Any) -> dict[int, Mapping[str, Any]]:
     """The optimizer's state per parameter, keyed by ``id(parameter)``. A torch optimizer's ``state``
     is read directly; an optimizer wrapper without one (fairseq's) through ``state_dict()``, whose
@@ -179,7 +186,9 @@ def _structure(
     groups = _groups_of(layout, optim)
     position = {id(h): i for i, h in enumerate(layout.items)}
     states = _flat_states(optim)
-    shape = [[(position[id(h)], _kinds_of(h, states)) for h in handles] for handles in groups]
+    shape = [
+        [(position[id(h)], _kinds_of(h, states)) for h in _canonical(layout, handles)] for handles in groups
+    ]
     return groups, shape
 
 
@@ -236,7 +245,7 @@ def gather_full_optim_state_dict(
     state: dict[int, dict[str, Any]] = {}
     states = _flat_states(optim)
     for handles in groups:
-        for h in handles:
+        for h in _canonical(layout, handles):
             if isinstance(h, IgnoredSlot):  # this rank's own state (the recipient's is kept)
                 if keep and states.get(id(h.param)):
                     state[ids[h.name]] = {k: _copy(v, device) for k, v in states[id(h.param)].items()}
@@ -507,7 +516,7 @@ def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> di
     mesh = layout.mesh()
     per_name: dict[str, dict[str, Any]] = {}
     for handles in groups:
-        for h in handles:
+        for h in _canonical(layout, handles):
             if isinstance(h, IgnoredSlot):  # this rank's own, as plain tensors
                 if optim.state.get(h.param):
                     per_name[h.name] = {k: _copy(v) for k, v in optim.state[h.param].items()}
@@ -664,7 +673,7 @@ def check_sharded_optim_state_dict(
     plan.elementwise = _elementwise_keys(plan.entries)
     kinds: list[Any] = []
     for handles in plan.groups:
-        for h in handles:
+        for h in _canonical(layout, handles):
             for slot in _slots(layout, h):
                 entry = plan.entries.get(slot.name, {})
                 for key in sorted(plan.elementwise & entry.keys()):
@@ -685,21 +694,15 @@ def check_sharded_optim_state_dict(
 
 def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer, plan: OptimLoadPlan) -> None:
     """Load a checked plan into ``optim``. Collective; every rank must have agreed on the plan."""
-    state: dict[int, dict[str, Any]] = {}
-    param_groups = []
-    next_id = 0
-    for g, handles in enumerate(plan.groups):
-        group = dict(plan.param_groups[g])
-        group["params"] = []
-        for h in handles:
+    loaded: dict[int, dict[str, Any]] = {}  # id(item) -> its state, built in the model's order (collective)
+    for handles in plan.groups:
+        for h in _canonical(layout, handles):
             if isinstance(h, IgnoredSlot):
                 entry = plan.entries.get(h.name)
                 if entry:
-                    state[next_id] = {
+                    loaded[id(h)] = {
                         k: v.full_tensor() if is_dtensor(v) else _copy(v) for k, v in entry.items()
                     }
-                group["params"].append(next_id)
-                next_id += 1
                 continue
             slots = layout.slots(h)
             entries = [plan.entries.get(s.name) for s in slots]
@@ -716,7 +719,16 @@ def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer,
                         flat[key] = shard
                     else:
                         flat[key] = _copy(next(v for v in values if v is not None))
-                state[next_id] = flat
+                loaded[id(h)] = flat
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    next_id = 0
+    for g, handles in enumerate(plan.groups):  # ids in this rank's optimizer's own order
+        group = dict(plan.param_groups[g])
+        group["params"] = []
+        for h in handles:
+            if id(h) in loaded:
+                state[next_id] = loaded[id(h)]
             group["params"].append(next_id)
             next_id += 1
         if "param_names" in optim.param_groups[g]:

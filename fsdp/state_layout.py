@@ -197,7 +197,9 @@ def describe(
     """Walk the wrapper tree as ``nn.Module.state_dict`` walks the unwrapped model.
 
     ``units`` maps ``id(wrapper)`` to its :class:`UnitSpec`; a wrapper is transparent (its wrapped
-    module takes its place and its name), so names come out as in the unwrapped model.
+    module takes its place and its name), so names come out as in the unwrapped model. ``root`` may
+    be a plain module holding wrappers (torch's whole-model functions): its parameters above them
+    are plain ones, listed as ignored parameters are (:class:`IgnoredSlot`).
     """
     where: dict[tuple[int, str], tuple[FlatParamHandle, int]] = {}
     for spec in units.values():
@@ -247,10 +249,10 @@ def describe(
             if loc is None and pname in m._parameters and m._parameters[pname] is None:
                 continue  # e.g. Linear(bias=False): registered as None, not in the state dict
             value = m._parameters.get(pname)
-            if (
+            if (  # ignored, or above every wrapper (a plain root's own): a plain parameter
                 loc is None
                 and value is not None
-                and (inside or (owner and owner.ignored.has_param(m, pname)))
+                and (inside or owner is None or owner.ignored.has_param(m, pname))
             ):
                 if id(value) not in ignored:
                     ignored[id(value)] = (m, pname, [])

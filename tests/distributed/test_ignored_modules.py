@@ -508,8 +508,9 @@ def test_mistakes_are_refused_with_clear_errors(pool: RankPool) -> None:
         assert (
             r["fsdp_instance"].startswith("ValueError") and "wrapper cannot be ignored" in r["fsdp_instance"]
         )
-        assert r["wrapper_inside"].startswith("ValueError") and "blocks.0" in r["wrapper_inside"]
-        assert r["not_inside"].startswith("ValueError") and "not inside the wrapped module" in r["not_inside"]
+        # torch's leniency (tests/compat/test_torch_ignored_modules.py): a module holding a wrapper, and one
+        # outside the wrapped module, are accepted
+        assert r["wrapper_inside"] == "no error" and r["not_inside"] == "no error"
         assert r["both"].startswith("ValueError") and "not both" in r["both"]
         assert r["mixed"].startswith("ValueError") and "all nn.Parameters or all nn.Modules" in r["mixed"]
         assert r["tied"].startswith("ValueError") and "blocks.0.fc.weight" in r["tied"]

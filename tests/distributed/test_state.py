@@ -450,7 +450,6 @@ def _state_dict_types() -> dict[str, object]:
     errors = []
     for call in (
         lambda: FSDP.state_dict_type(model, "full").__enter__(),
-        lambda: FSDP.state_dict_type(ref, StateDictType.FULL_STATE_DICT).__enter__(),
         lambda: FSDP.state_dict_type(
             model, StateDictType.SHARDED_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=True)
         ).__enter__(),
@@ -472,7 +471,8 @@ def test_state_dict_type_switches_what_state_dict_means(pool: RankPool) -> None:
         assert r["after_keys"] == r["n_keys"], "the context restores the wrapper's own setting"
         assert r["local_is_local"] and r["local_roundtrip"]
         assert r["sharded_keys_plain"] and r["sharded_is_dtensor"] and r["sharded_roundtrip"]
-        assert r["errors"] == ["TypeError", "ValueError", "NotImplementedError"]
+        # (a module without wrappers is accepted as torch does: tests/compat/test_torch_state_dict.py)
+        assert r["errors"] == ["TypeError", "NotImplementedError"]
 
 
 def _plain_parent_loads() -> dict[str, object]:

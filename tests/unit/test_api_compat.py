@@ -19,6 +19,7 @@ from torch import nn
 
 import fsdp
 from fsdp import FSDP, FullyShardedDataParallel, ProcessGroupName, TrainingState
+from fsdp._torch_methods import InstanceOrStatic
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -91,6 +92,10 @@ FORWARDED_TO_MODULE_STATE_DICT = ("state_dict", "local_state_dict")
 
 @pytest.mark.parametrize("name", FAIRSCALE_METHODS)
 def test_methods_take_fairscale_arguments(name: str) -> None:
+    # (an instance's method: where torch has a static function of the same name, the class gives torch's)
+    attr = inspect.getattr_static(FullyShardedDataParallel, name)
+    method = attr.method if isinstance(attr, InstanceOrStatic) else getattr(FullyShardedDataParallel, name)
+    ours = [n for n, _ in _params(method)]
     theirs = [n for n, _ in _params(getattr(FairscaleFSDP, name))]
     if name in FORWARDED_TO_MODULE_STATE_DICT:
         assert theirs == ["self", "args", "kwargs"], f"fairscale's {name} is no longer a plain forwarder"
@@ -108,7 +113,6 @@ def test_methods_take_fairscale_arguments(name: str) -> None:
         sig.bind(None, **dict(module_keywords))
         sig.bind(None, None, "", False)
     else:
-        ours = [n for n, _ in _params(getattr(FullyShardedDataParallel, name))]
         assert ours[: len(theirs)] == theirs, name
 
 

@@ -78,7 +78,7 @@ def test_phases_reports_every_phase_of_every_variant(tmp_path: Path) -> None:
 
 
 def test_checkpoint_cost_times_both_variants_of_each_operation(tmp_path: Path) -> None:
-    torchrun("checkpoint_cost.py", *"--size 1M --rounds 2 --dir".split(), str(tmp_path))
+    torchrun("checkpoint_cost", *"--size 1M --rounds 2 --dir".split(), str(tmp_path))
     report = json.loads((tmp_path / "checkpoint_cost.json").read_text())
     for op in ("save", "load", "latest"):
         for variant in ("with", "without"):
