@@ -33,7 +33,8 @@ from torch.profiler import record_function as _record_function
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp._fairscale_attrs import FairscaleAttributes
+from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style
+from fsdp._module_ops import ModuleOps
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
@@ -160,7 +161,7 @@ class _RootContext:
 
 
 class FullyShardedDataParallel(
-    FairscaleAttributes, SummonMethods, StateDictMethods, StatsMethods, TorchFSDPMethods, nn.Module
+    FairscaleAttributes, SummonMethods, StateDictMethods, StatsMethods, TorchFSDPMethods, ModuleOps, nn.Module
 ):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
@@ -377,6 +378,7 @@ class FullyShardedDataParallel(
             broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
         precision = config.precision
         self._fsdp_wrapped_module = module
+        self._torch_style = built_torch_style(options)
         self._outer = None
         owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
         self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
@@ -409,8 +411,8 @@ class FullyShardedDataParallel(
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
             broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
         for handle in self.handles:  # See [Note: gradient accumulators] in fsdp/grad_hooks.py
-            if handle.requires_grad:
-                handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
+            # (every one: a frozen flat parameter may be unfrozen between steps, and hooks nothing until)
+            handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
@@ -424,8 +426,13 @@ class FullyShardedDataParallel(
     # ------------------------------------------------------------------ module forwarding
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module, for a wrapper built torch's way (as torch FSDP1's ``.module``);
+        fairscale's ``FlattenParamsWrapper`` level above it otherwise, whose ``.module`` is the wrapped
+        module and which passes everything else to it (:class:`~fsdp._fairscale_attrs.FlattenParamsLevel`)."""
+        if self._torch_style:
+            return self._fsdp_wrapped_module
+        level: Any = FlattenParamsLevel(self._fsdp_wrapped_module)
+        return level  # type: ignore[no-any-return]
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -465,46 +472,6 @@ class FullyShardedDataParallel(
 
     def _wrappers(self) -> list[FullyShardedDataParallel]:
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
-
-    def _apply(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-    ) -> FullyShardedDataParallel:
-        """``.half()``, ``.to()``, ``.cuda()`` after wrapping: refused, before anything changes, when
-        they would change a flat parameter's dtype or device (shards, casts and copies were set up
-        for those at construction); allowed when they change nothing."""
-        if self._frozen:  # an outer wrapper's deferred initialization is running
-            return self
-        for w in self._wrappers():
-            for h in w.handles:
-                probe = fn(h.flat_param.detach())
-                if (probe.dtype, probe.device) != (h.flat_param.dtype, h.flat_param.device):
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: .half() / .to() / .cuda() after wrapping would make the flat "
-                        f"parameters {probe.dtype} on {probe.device} (they are {h.flat_param.dtype} on "
-                        f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
-                        "/ compute_dtype / compute_device"
-                    )
-            cast_to = w.fsdp_config.precision.buffer_dtype
-            for name, original in w._buffer_dtypes.items():  # moved to compute_device, cast to buffer_dtype
-                try:
-                    b = w.module.get_buffer(name)
-                except AttributeError:  # (removed since)
-                    continue
-                if b is None:  # (set to None since: nothing to move)
-                    continue
-                cast = cast_to is not None and b.dtype == cast_to != original  # the wrapper cast it
-                probe = fn(b)
-                if probe.device != b.device or (probe.dtype != b.dtype and cast):
-                    path = wrapper_path(self, w)
-                    name = name if path == "<root>" else f"{path}.{name}"
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: .float() / .half() / .to() / .cuda() after wrapping would make "
-                        f"the buffer {name!r} {probe.dtype} on {probe.device}; the wrapper keeps it "
-                        f"{b.dtype} on {b.device} (buffer_dtype / compute_device). Cast or move the module before "
-                        "wrapping it, or set buffer_dtype"
-                    )
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        return self
 
     @property
     def _ctx(self) -> _RootContext | None:
@@ -600,7 +567,7 @@ class FullyShardedDataParallel(
                     if h._placeholders_set:  # a replaced attribute gets its own, sharper message
                         h._check_placeholders()
                 check_no_parameters_added(
-                    w.module,
+                    w._fsdp_wrapped_module,
                     lambda m: isinstance(m, FullyShardedDataParallel),
                     wrapper_path(self, w) or "<root>",
                     w._ignored,
@@ -669,7 +636,8 @@ class FullyShardedDataParallel(
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Inputs to the compute dtype: under a ``MixedPrecision`` every floating one, recorded by autograd
-        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's).
+        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's),
+        to fp16 when the compute dtype is fp32 (fairscale's rule, for fp32 compute under autocast).
         Or low precision inputs to fp32 under ``force_input_to_fp32``."""
         precision = self.fsdp_config.precision
         if precision.mixed and (
@@ -677,10 +645,13 @@ class FullyShardedDataParallel(
         ):
             assert precision.param_dtype is not None
             torch_way = precision.torch_input_casts
+            target = precision.param_dtype
+            if not torch_way and target == torch.float32:
+                target = torch.float16
             args, kwargs = cast_inputs(
                 (args, kwargs),
                 None if torch_way else torch.float32,
-                precision.param_dtype,
+                target,
                 detach=bool(self._is_root) and not torch_way,
             )
         if precision.force_input_to_fp32:
@@ -702,7 +673,7 @@ class FullyShardedDataParallel(
         visit_tensors(outputs, hook, opaque)
         if hooked == 0 and opaque and any(h.requires_grad for h in self.handles):
             raise TypeError(
-                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self.module).__name__} "
+                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self._fsdp_wrapped_module).__name__} "
                 f"(found {', '.join(sorted({type(o).__name__ for o in opaque}))}); return tensors in a tuple, list, "
                 "dict, namedtuple or dataclass so that backward can be hooked"
             )
@@ -756,7 +727,7 @@ class FullyShardedDataParallel(
     def _post_backward(self, handle: FlatParamHandle) -> None:
         if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(
-                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self.module).__name__} "
+                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self._fsdp_wrapped_module).__name__} "
                 f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
                 "Compute the loss from the outputs of the FSDP forward"
             )
@@ -914,7 +885,7 @@ class FullyShardedDataParallel(
             w.assert_state(TrainingState.IDLE)
         units = {
             id(w): sd_impl.UnitSpec(
-                w.module,
+                w._fsdp_wrapped_module,
                 tuple(w.handles),
                 w._module_param_order,
                 w._buffer_dtypes,

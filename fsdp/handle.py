@@ -67,6 +67,7 @@ gradients of every unit stay allocated inside the context.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -217,28 +218,14 @@ class FlatParamHandle:
         self.copies = SideCopies.for_device(device) if self.offloaded and device.type == "cuda" else None
         self._grad_copy = None
         if comm.world_size == 1 and not self.mixed and not self.offloaded:
-            self._shard = self._full = padded
+            self._shard = padded
         else:
             self._shard = padded[self.spec.start : self.spec.end].clone()
             if self.offloaded:
                 self._shard = DeviceHandle(device).pin_memory(self._shard.cpu())
-            if self.mixed:
-                self._full = torch.empty(self.spec.padded_numel, dtype=self.compute_dtype, device=device)
-            else:
-                self._full = padded
-            _free_storage(self._full)
-        self._full_precision = self._lp_shard = None
-        if self.mixed:
-            self._full_precision = padded  # the master-dtype full buffer (summon, state dict)
-            _free_storage(self._full_precision)
-        if self.mixed or self.offloaded:
-            self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
-            _free_storage(self._lp_shard)
-        self._active = self._full
+        self._make_full_buffers(padded)
         self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
         self.state = MemoryState.SHARDED
-        self._full_valid = self.aliased
-        self._full_version = -1
         self._saved_grad_shard = None
         self._pending = None
         self._gathering = None
@@ -251,6 +238,57 @@ class FlatParamHandle:
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = [
             make_placeholder(info.fqn, info.shape, self.meta.dtype, self.meta.requires_grad)
+            for info in self.meta.params
+        ]
+        self.remove_module_tensors()
+
+    def _make_full_buffers(self, padded: torch.Tensor | None = None) -> None:
+        """The buffers derived from the shard, for its dtype and the compute dtype and device, all
+        freed: ``_full`` (``_shard`` itself when aliased), ``_full_precision`` and ``_lp_shard`` under
+        mixed precision, ``_lp_shard`` under offload. ``padded`` (the full master-dtype values at
+        construction) lends its storage to a full buffer of its dtype."""
+        device, numel = self.compute_device, self.spec.padded_numel
+        if self.comm.world_size == 1 and not self.mixed and not self.offloaded:
+            self._full = self._shard
+        elif self.mixed or padded is None:
+            self._full = torch.empty(numel, dtype=self.compute_dtype, device=device)
+            _free_storage(self._full)
+        else:
+            self._full = padded
+            _free_storage(self._full)
+        self._full_precision = self._lp_shard = None
+        if self.mixed:  # the master-dtype full buffer (summon, state dict)
+            self._full_precision = (
+                padded if padded is not None else torch.empty(numel, dtype=self.meta.dtype, device=device)
+            )
+            _free_storage(self._full_precision)
+        if self.mixed or self.offloaded:
+            self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
+            _free_storage(self._lp_shard)
+        self._active = self._full
+        self._full_valid = self.aliased
+        self._full_version = -1
+
+    def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
+        """``module.half()`` / ``.to()`` / ``.cuda()`` replaced ``flat_param.data`` between steps: the
+        new tensor is the shard, the master dtype is its dtype, the compute dtype ``param_dtype`` (its
+        own without mixed precision) and the compute ``device``; every buffer derived from the shard
+        is made again (freed), and the stand-ins of the original parameters take the new dtype."""
+        assert self.state is MemoryState.SHARDED and self._gathering is None, "converted while unsharded"
+        self._free_full()  # (a compute buffer kept from a forward holds the old values)
+        data = self.flat_param.data
+        self.compute_device = device
+        if self.offloaded:  # (the device stays the host: a conversion moving it is refused before)
+            data = DeviceHandle(device).pin_memory(data)
+            self.flat_param.data = data
+        self._shard = data
+        self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
+        self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
+        self._make_full_buffers()
+        if self._grad_acc is not None:  # (accumulated in no_sync, not yet reduced)
+            self._grad_acc = self._grad_acc.to(device=device, dtype=data.dtype)
+        self._placeholders = [
+            make_placeholder(info.fqn, info.shape, data.dtype, self.flat_param.requires_grad)
             for info in self.meta.params
         ]
         self.remove_module_tensors()
@@ -291,7 +329,9 @@ class FlatParamHandle:
 
     @property
     def requires_grad(self) -> bool:
-        return self.meta.requires_grad
+        """Whether the flat parameter trains now: set at construction by the originals' flag, and
+        changed since by ``requires_grad_()`` on it (``use_orig_params=True``: one per parameter)."""
+        return self.flat_param.requires_grad
 
     def sharded_data(self) -> torch.Tensor:
         """This rank's shard (what ``flat_param.data`` is between steps)."""
