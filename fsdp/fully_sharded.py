@@ -123,7 +123,8 @@ class _RootContext:
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
-    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
+    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is reduced
+    keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
     bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
     bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
@@ -139,6 +140,7 @@ class _RootContext:
         self._wrappers = [weakref.ref(w) for w in wrappers]
         self.callback_queued = False
         self.sync = True
+        self.keep_full = False
         self.bucketer = None
         self.bucket_index = {}
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
@@ -604,9 +606,12 @@ class FullyShardedDataParallel(
                             h.accumulators.note(token)
                 outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
-                # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
-                # full parameters stay until the next forward. See [Note: no_sync].
-                keep_full = grad_enabled and (not self._reshard_after_forward or not self._ctx.sync)
+                # Under no_grad no backward follows: nothing is worth keeping. Inside
+                # no_sync(keep_full_params=True) the full parameters stay until the next forward.
+                # See [Note: no_sync].
+                keep_full = grad_enabled and (
+                    not self._reshard_after_forward or (not self._ctx.sync and self._ctx.keep_full)
+                )
                 for h in self.handles:
                     h.reshard(free_full=not keep_full)
                 if not keep_full and any(h.gathers for h in self.handles):
@@ -742,7 +747,9 @@ class FullyShardedDataParallel(
         self.training_state = TrainingState.BACKWARD_POST
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
-            handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            handle.reduce_grad(
+                sync=ctx.sync, bucketed=index is not None, keep_full=self._keeps_full_in_no_sync(ctx)
+            )
             # Finish older reductions as backward goes on, freeing their full gradients now rather
             # than at the end of backward: at most one sent reduction stays in flight.
             if handle.reduction_pending:
@@ -778,11 +785,13 @@ class FullyShardedDataParallel(
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
-            for h in handles:
-                # shard first: a handle that got no gradient in this backward (an unused parameter,
-                # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
-                h.reshard(free_full=ctx.sync)
-                h.finalize_gradient()
+            for w in ctx.wrappers:
+                free = ctx.sync or not w._keeps_full_in_no_sync(ctx)
+                for h in w.handles:
+                    # shard first: a handle that got no gradient in this backward (an unused parameter,
+                    # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
+                    h.reshard(free_full=free)
+                    h.finalize_gradient()
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()
@@ -821,24 +830,40 @@ class FullyShardedDataParallel(
                 h.discard_accumulated_grad()
 
     @contextlib.contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients over several backward passes without any communication.
+    def no_sync(self, keep_full_params: bool = False) -> Generator[None, None, None]:
+        """Accumulate gradients over several backward passes without reducing them.
 
-        Call it on the root. Inside, each backward adds its gradients locally; the first backward
-        after the context reduces the sum once, so k micro-batches equal one k-times larger batch.
-        Full parameters and gradients of every unit stay in memory meanwhile. See [Note: no_sync].
+        Call it on the root. Inside, each backward adds its full gradients locally; the first
+        backward after the context reduces the sum once, so k micro-batches equal one k-times
+        larger batch. Full parameters follow ``reshard_after_forward`` as outside, as in fairscale
+        (each forward and backward gathers the units that free theirs), so the window holds the
+        sharded model, a full gradient per unit and the units being computed. With
+        ``keep_full_params=True`` every unit keeps its full parameters from its first forward on, and
+        nothing at all is communicated after the first micro-batch, for the unsharded model's
+        memory. See [Note: no_sync].
         """
+        if not isinstance(keep_full_params, bool):
+            raise TypeError(
+                f"FullyShardedDataParallel.no_sync: keep_full_params must be a bool, got {keep_full_params!r}"
+            )
         self._require_root("no_sync()")
         ctx = self._ctx
         assert ctx is not None
         for w in ctx.wrappers:
             w.assert_state(TrainingState.IDLE)
-        previous, ctx.sync = ctx.sync, False
+        previous = ctx.sync, ctx.keep_full
+        ctx.sync, ctx.keep_full = False, keep_full_params
         try:
             with unsynced(self, (h.flat_param for w in ctx.wrappers for h in w.handles)):
                 yield
         finally:
-            ctx.sync = previous
+            ctx.sync, ctx.keep_full = previous
+
+    def _keeps_full_in_no_sync(self, ctx: _RootContext) -> bool:
+        """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
+        the root and ``reshard_after_forward=False`` do (as outside), every unit does with
+        ``keep_full_params=True``."""
+        return ctx.keep_full or not self._reshard_after_forward
 
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; return that norm.

@@ -51,18 +51,23 @@ the hook waits rather than polls. A reduction followed by an all-reduce across r
 or sending a bucket from here would change the order of collectives the schedule relies on.
 
 [Note: no_sync]
-Inside ``no_sync`` no collective runs after the first forward: each handle keeps its full
-parameter from forward to the next forward (its validity is tracked by ``flat_param._version``), and
-the post-backward hook adds the full gradient into ``_grad_acc`` (the master dtype) instead of
-reducing it. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
+Inside ``no_sync`` the post-backward hook adds the full gradient into ``_grad_acc`` (the master
+dtype) instead of reducing it. The full parameters follow ``reshard_after_forward`` as outside (as
+in fairscale and torch FSDP1): a unit that frees them after forward gathers them again for its
+backward and frees them after it, the root and ``reshard_after_forward=False`` keep theirs from
+forward to the next forward (their validity is tracked by ``flat_param._version``). So a window of
+micro-batches holds the shards, one full gradient per unit and the units being computed, and
+all-gathers as a plain step does. ``no_sync(keep_full_params=True)`` keeps every unit's full
+parameters instead: no collective runs after the first forward, for the memory of the unsharded
+model. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
 the sum once, so k micro-batches cost one reduction, exactly like one large batch. The sum is kept in
 the master dtype and reduced in the dtype of the gradient it joins (the compute dtype under mixed
 precision, unless a reduce dtype is set), so the reduction moves the bytes of any other step.
 ``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model; an
 optimizer's ``zero_grad()`` cannot see it. When the full
 parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
-``.grad`` directly and nothing needs to be kept. The price is memory: full parameters and full
-gradients of every unit stay allocated inside the context.
+``.grad`` directly and nothing needs to be kept. The price is memory: a full gradient per unit
+stays allocated inside the context (with ``keep_full_params``, every unit's full parameters too).
 """
 
 from __future__ import annotations
@@ -631,7 +636,7 @@ class FlatParamHandle:
         self._saved_grad_shard = grad
         self.flat_param.grad = None
 
-    def reduce_grad(self, sync: bool = True, bucketed: bool = False) -> None:
+    def reduce_grad(self, sync: bool = True, bucketed: bool = False, keep_full: bool = True) -> None:
         """Launch the reduction of the full gradient; reshard. Runs in the post-backward hook.
 
         Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
@@ -640,8 +645,8 @@ class FlatParamHandle:
         With a replicate group (NO_SHARD, HYBRID_SHARD) the shard is then all-reduced across it.
 
         With ``sync=False`` (inside ``no_sync``) nothing is communicated: the full gradient is added
-        to a local accumulator and the full parameter is kept for the next forward. See
-        [Note: no_sync].
+        to a local accumulator, and the full parameter is kept for the next forward with
+        ``keep_full``, else freed. See [Note: no_sync].
 
         With ``bucketed`` (NO_SHARD under a root that owns a bucket engine) nothing is launched here:
         the gradient is left on ``flat_param.grad`` in the master dtype, for the engine to reduce
@@ -656,7 +661,7 @@ class FlatParamHandle:
                 self.flat_param.grad = None
                 acc = grad.to(self.meta.dtype)
                 self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
-            self.reshard(free_full=False)
+            self.reshard(free_full=not keep_full)
             return
         self.flat_param.grad = None
         if self._grad_acc is not None:  # the sum is reduced in the dtype a plain backward reduces in

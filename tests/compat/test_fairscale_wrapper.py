@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fsdp
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import checkpoint_wrapper, disable_checkpointing
+from tests.rank_pool import RankPool
 from tests.unit.conftest import single_rank_group  # noqa: F401  (the fixture, for the one-rank tests)
 
 
@@ -206,3 +208,84 @@ def test_checkpoint_wrapper_takes_any_truthy_offload_flag(monkeypatch: pytest.Mo
     plain = checkpoint_wrapper(_Counted(), offload_to_cpu=0)
     plain(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert seen == [True], "a falsy flag does not offload"
+
+
+# ---------------------------------------------------------------------- no_sync(): memory and communication
+def _nested(**cfg: Any) -> nn.Module:
+    """fairscale's NestedWrappedModule: four wrappers that own parameters, one nested in another."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 4),
+        FSDP(nn.Sequential(FSDP(nn.Linear(4, 16), **cfg), nn.Linear(16, 16)), **cfg),
+        FSDP(nn.Linear(16, 4), **cfg),
+        nn.Linear(4, 8),
+    )
+    return FSDP(model, **cfg)
+
+
+def _no_sync_window(reshard_after_forward: bool, mixed: bool, keep: bool) -> dict[str, Any]:
+    """fairscale's TestNoSyncCommunication and TestNoSync: collectives counted inside the window and
+    after it, what stays gathered, and the accumulated gradients against one concatenated batch."""
+    rank = dist.get_rank()
+    cfg = {"reshard_after_forward": reshard_after_forward, "mixed_precision": mixed, "bucket_cap_mb": 0}
+    model = _nested(**cfg)
+    units = [w for w in model.modules() if isinstance(w, FSDP) and w.params]
+    g = torch.Generator().manual_seed(rank)
+    first, second = torch.rand(4, 8, generator=g), torch.rand(4, 8, generator=g)
+    loss = lambda x: model(x).float().sum()  # noqa: E731
+    loss(torch.cat([first, second])).backward()  # the reference: one batch of both
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.reset_comm_stats()
+    with model.no_sync(keep_full_params=keep):
+        loss(first).backward()
+        inside = {k: v["calls"] for k, v in model.comm_stats().items()}
+        kept = [w.has_full_params for w in units]
+        unsharded = model.memory_stats()["unsharded"]
+    loss(second).backward()
+    after = {k: v["calls"] for k, v in model.comm_stats().items()}
+    grads = [p.grad for p in model.parameters()]
+    atol = 1e-2 if mixed else 1e-5
+    return {
+        "units": len(units),
+        "inside": inside,
+        "after": after,
+        "kept": kept,
+        "unsharded": unsharded,
+        "root_full_bytes": sum(h._full.numel() * h._full.element_size() for h in model.handles),
+        "grads_match": all(torch.allclose(a, b, atol=atol) for a, b in zip(grads, expected, strict=True)),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_no_sync_follows_reshard_after_forward_as_fairscale(
+    pool: RankPool, reshard_after_forward: bool, mixed: bool
+) -> None:
+    for r in pool.run(_no_sync_window, reshard_after_forward, mixed, False):
+        n = r["units"]
+        assert n == 4 and r["grads_match"], r
+        assert r["inside"].get("reduce_scatter", 0) == 0, "nothing is reduced inside the window"
+        if reshard_after_forward:
+            # inside: every unit gathers in forward, every one but the root again in backward; after:
+            # the root's full parameters are kept from the window, the others gather twice again
+            assert r["inside"]["all_gather"] == 2 * n - 1 and r["after"]["all_gather"] == 4 * n - 3, r
+            assert r["kept"] == [True, False, False, False], "only the root keeps its full parameters"
+            assert r["unsharded"] == r["root_full_bytes"], "the others' full parameters are freed"
+        else:  # every unit keeps its full parameters, inside and after, as outside no_sync()
+            assert r["inside"]["all_gather"] == n and r["after"]["all_gather"] == n, r
+            assert r["kept"] == [True] * n
+        assert r["after"]["reduce_scatter"] == n, "the accumulated sum is reduced once per unit"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_no_sync_keep_full_params_keeps_every_unit_gathered(pool: RankPool) -> None:
+    for r in pool.run(_no_sync_window, True, False, True):
+        n = r["units"]
+        assert r["grads_match"] and r["kept"] == [True] * n, r
+        assert r["inside"]["all_gather"] == n, "gathered once in forward, kept for backward"
+        assert r["unsharded"] > r["root_full_bytes"]
+        # after: the kept parameters serve the next forward; the synced backward gathers the inner
+        # units again, freed after that forward as outside no_sync()
+        assert r["after"]["all_gather"] == n + n - 1 and r["after"]["reduce_scatter"] == n, r
