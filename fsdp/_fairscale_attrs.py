@@ -160,6 +160,7 @@ class FairscaleAttributes:
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
     _torch_style: bool  # built with torch FSDP1's arguments (see built_torch_style)
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
+    _bind: Callable[[Any], None]  # ModuleOps's
     # provided by the wrapper (the root's context, None before lazy init) and by StatsMethods
     _ctx: Any
     memory_stats: Callable[[], dict[str, int]]
@@ -203,6 +204,13 @@ class FairscaleAttributes:
     @property
     def process_group(self) -> dist.ProcessGroup:
         return self.fsdp_config.comm.process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup) -> None:
+        """fairscale's idiom after unpickling (or building with a stand-in of several ranks): give every
+        wrapper the real group, ``for m in model.modules(): m.process_group = group``. The group must
+        hold this process where the shards were built for; reductions share it."""
+        self._bind(group)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:

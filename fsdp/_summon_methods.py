@@ -30,6 +30,7 @@ class SummonMethods:
     _module_param_order: dict[nn.Module, list[str]]
     _parameters: dict[str, Any]
     _fsdp_wrapped_module: nn.Module
+    _require_groups: Callable[[str], None]  # ModuleOps's
     _summon_rank0_only = False  # inside a summon_full_params(rank0_only=True)
 
     @property
@@ -98,6 +99,7 @@ class SummonMethods:
         wrappers = self._wrappers() if recurse else [self]
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
+        self._require_groups("summon_full_params()")
         show = not rank0_only or self.fsdp_config.comm.dp_rank == 0
         entered: list[SummonMethods] = []
         # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.

@@ -96,6 +96,9 @@ from fsdp.schedule import Scheduler
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
+    group_rank,
+    group_size,
+    is_stand_in,
     materialize_device,
     reduce_scatter_group,
     resolve_groups,
@@ -255,7 +258,7 @@ class FullyShardedDataParallel(
         self._frozen = False
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
+        if not (dist.is_available() and (dist.is_initialized() or is_stand_in(process_group))):
             raise RuntimeError(
                 "FullyShardedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
@@ -263,6 +266,11 @@ class FullyShardedDataParallel(
         if not isinstance(sync_module_states, bool):
             raise TypeError(
                 f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
+            )
+        if sync_module_states and is_stand_in(process_group) and group_size(process_group) > 1:
+            raise ValueError(
+                "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
+                "stand-in with rank() and size() cannot communicate; pass the real group"
             )
         torch_options = torch_fsdp_options(
             sharding_strategy,
@@ -294,7 +302,7 @@ class FullyShardedDataParallel(
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
             rs_group = reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
-        dp_size = dist.get_world_size(groups.dp)
+        dp_size = group_size(groups.dp)
         pre = (
             float(gradient_predivide_factor)
             if gradient_predivide_factor
@@ -305,13 +313,6 @@ class FullyShardedDataParallel(
         collected, _, inner = collect_owned(module, is_wrapper, ignored)
         if auto_wrap_policy is not None:
             collected = without_own_precision(collected, module, auto_wrap_policy, mixed_precision, ignored)
-        for path, w in inner:
-            if w._inside_another:
-                raise ValueError(
-                    f"FullyShardedDataParallel: the inner wrapper at {path or '<the wrapped module>'!r} already "
-                    "belongs to another live outer wrapper; wrap each module once (build the model again for a "
-                    "second wrapped copy)"
-                )
         # every option is validated before a meta unit is materialized (dtypes are known on meta)
         config = FSDPConfig(
             sharding=ShardingConfig(
@@ -337,7 +338,7 @@ class FullyShardedDataParallel(
                 groups.replicate,
                 groups.dp,
                 dp_size,
-                dist.get_rank(groups.dp),
+                group_rank(groups.dp),
             ),
             state_dict=StateDictConfig(
                 state_dict_device,
@@ -449,6 +450,24 @@ class FullyShardedDataParallel(
         """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
+    def _runtime_state(self) -> dict[str, Any]:
+        """What a copy or a pickle does not take: a fresh wrapper's values of the state a forward, a
+        step or another wrapper set. See [Note: copies of a wrapped model] in fsdp/_module_ops.py."""
+        return {
+            "_own_ctx": None,
+            "_ctx_ref": None,
+            "_is_root": None,
+            "_outer": None,
+            "_frozen": False,
+            "_pre_backward_done": False,
+            "training_state": TrainingState.IDLE,
+            "_reshard_after_forward": self.fsdp_config.sharding.reshard_after_forward,
+            "_original_names": {},
+        }
+
+    def _register_live(self) -> None:
+        _LIVE.add(self)
+
     @property
     def is_root(self) -> bool | None:
         """True for the wrapper that ran the first forward; None before any forward."""
@@ -517,16 +536,23 @@ class FullyShardedDataParallel(
                     self._ctx.wrappers_as_built()
                 )  # See [Note: parameters added after wrapping]
             return
+        self._require_groups("the first forward")
         wrappers = self._wrappers()
         for w in wrappers[1:]:
-            if w._is_root:  # it ran alone first (an evaluation, say): it becomes one of this root's units
-                if not w._context_is_idle():
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
-                        "root of its own and is not done with it (it is inside its own no_sync()). Leave that "
-                        "no_sync() before the outer wrapper's first forward"
-                    )
-                w._release_context()
+            # It ran alone first (an evaluation, say), or under another outer wrapper that holds it too
+            # (wrapped again for inference after training): it becomes one of this root's units, and
+            # the tree it belonged to is set up again at its next forward.
+            other = w._ctx
+            if other is None:
+                continue
+            if not other.wrappers[0]._context_is_idle():
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
+                    "root of its own and is not done with it (it is inside its own no_sync()), or belongs to "
+                    "another wrapper tree in the middle of a step. Finish that step before the outer wrapper's "
+                    "first forward"
+                )
+            other.wrappers[0]._release_context()
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
@@ -908,6 +934,7 @@ class FullyShardedDataParallel(
         wrappers = self._wrappers()
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
+        self._require_groups("a state dict or optimizer state")
         units = {
             id(w): sd_impl.UnitSpec(
                 w._fsdp_wrapped_module,

@@ -253,7 +253,7 @@ class FlatParamHandle:
         mixed precision, ``_lp_shard`` under offload. ``padded`` (the full master-dtype values at
         construction) lends its storage to a full buffer of its dtype."""
         device, numel = self.compute_device, self.spec.padded_numel
-        if self.comm.world_size == 1 and not self.mixed and not self.offloaded:
+        if self.spec.world_size == 1 and not self.mixed and not self.offloaded:
             self._full = self._shard
         elif self.mixed or padded is None:
             self._full = torch.empty(numel, dtype=self.compute_dtype, device=device)
@@ -294,6 +294,44 @@ class FlatParamHandle:
             self._grad_acc = self._grad_acc.to(device=device, dtype=data.dtype)
         self._placeholders = [
             make_placeholder(info.fqn, info.shape, data.dtype, self.flat_param.requires_grad)
+            for info in self.meta.params
+        ]
+        self.remove_module_tensors()
+
+    # ------------------------------------------------------------------ copies
+    # What a copy or a pickle of the handle keeps: its layout, its flat parameter (the shard, its data)
+    # and its modules; the rest is made anew (freed full buffers, hooks) or dropped (the process
+    # groups: the wrapper gives them back; gradients, as a copied nn.Parameter has none).
+    # See [Note: copies of a wrapped model] in fsdp/_module_ops.py.
+    _COPIED = (
+        "meta", "spec", "modules", "shared_modules", "flat_param", "compute_dtype", "reduce_dtype",
+        "compute_device", "offloaded",
+    )  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        assert self.state is MemoryState.SHARDED and self._gathering is None, "copied while unsharded"
+        return {name: getattr(self, name) for name in self._COPIED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.comm = None  # type: ignore[assignment]  # (set by the wrapper right after)
+        self.stats, self.memory = CommStats(), MemoryStats()
+        cuda = self.offloaded and self.compute_device.type == "cuda"
+        self.copies = SideCopies.for_device(self.compute_device) if cuda else None
+        self._grad_copy = None
+        self._shard = self.flat_param.data
+        if self.offloaded:
+            self._shard = DeviceHandle(self.compute_device).pin_memory(self._shard)
+            self.flat_param.data = self._shard
+        self.flat_param.grad = None
+        self._make_full_buffers()
+        self.state = MemoryState.SHARDED
+        self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
+        self._grad_acc = self._full_grad = None
+        self._all_reduce_after = self._bucketed = self.reduced_this_backward = False
+        self.accumulators = AccumulatorHooks(self.flat_param)
+        self._placeholders = [
+            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
             for info in self.meta.params
         ]
         self.remove_module_tensors()

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -289,3 +293,247 @@ def test_no_sync_keep_full_params_keeps_every_unit_gathered(pool: RankPool) -> N
         # after: the kept parameters serve the next forward; the synced backward gathers the inner
         # units again, freed after that forward as outside no_sync()
         assert r["after"]["all_gather"] == n + n - 1 and r["after"]["reduce_scatter"] == n, r
+
+
+# ---------------------------------------------------------------------- wrapping again
+class _Inner(nn.Module):
+    """fairscale's test_fsdp_multiple_wrapping model: all its parameters in an inner wrapper."""
+
+    def __init__(self, **cfg: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(FSDP(nn.Linear(5, 5), **cfg))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _wrap_again(mixed: bool, flatten: bool) -> dict[str, Any]:
+    """Train a wrapped model, wrap its module again for inference (the first wrapper still alive),
+    then train the first one on: each root takes the inner wrappers back at its next forward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"mixed_precision": mixed, "flatten_parameters": flatten}
+    inner = _Inner(**cfg)
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 5)
+    model = FSDP(inner, **cfg)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        x = torch.rand(2 * world, 5, generator=torch.Generator().manual_seed(i))
+        model(x[2 * rank : 2 * rank + 2]).float().sum().backward()
+        (ref(x).sum() / world).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+    for i in range(3):
+        step(i)
+    x = torch.rand(1, 5, generator=torch.Generator().manual_seed(9))
+    output = model(x)
+    rewrapped = FSDP(inner, **cfg)  # fairscale's test: the same module, wrapped a second time
+    rewrapped_output = rewrapped(x)
+    step(3)  # the first wrapper trains on, its inner wrapper taken back
+    with torch.no_grad():
+        again = rewrapped(x)  # and the second one runs again
+    tol = 1e-2 if mixed else 1e-6
+    return {
+        "same_output": torch.allclose(output, rewrapped_output),
+        "trained_on": torch.allclose(again.float(), ref(x), atol=tol),
+        "roots": [model.is_root, rewrapped.is_root, inner.layers[0].is_root],
+    }
+
+
+@pytest.mark.parametrize("pool", [1, 2], indirect=True)
+@pytest.mark.parametrize(("mixed", "flatten"), [(False, True), (True, True), (False, False)])
+def test_wrapping_again_a_module_whose_inner_wrappers_trained(
+    pool: RankPool, mixed: bool, flatten: bool
+) -> None:
+    for r in pool.run(_wrap_again, mixed, flatten):
+        assert r["same_output"] and r["trained_on"], r
+        assert r["roots"] == [None, True, False], "the last wrapper to run is the root"
+
+
+def _inference_after_training() -> dict[str, Any]:
+    """FSDP(nn.Sequential(trained_block, head)): a block trained inside one model, reused in another."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref_block, ref_head = nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 2)
+    ref_trainer_head = nn.Linear(6, 1)
+    block = FSDP(copy.deepcopy(ref_block))
+    trainer = FSDP(nn.Sequential(block, copy.deepcopy(ref_trainer_head)))
+    opt = torch.optim.SGD(trainer.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD([*ref_block.parameters(), *ref_trainer_head.parameters()], lr=0.1)
+    x = torch.rand(2 * world, 4, generator=torch.Generator().manual_seed(0))
+    trainer(x[2 * rank : 2 * rank + 2]).sum().backward()
+    (ref_trainer_head(ref_block(x)).sum() / world).backward()
+    opt.step()
+    ref_opt.step()
+    head = copy.deepcopy(ref_head)
+    serving = FSDP(nn.Sequential(block, head))  # the trained wrapper, under a new root
+    with torch.no_grad():
+        served = serving(x)
+    serving.zero_grad()
+    ref_block.zero_grad()
+    serving(x[2 * rank : 2 * rank + 2]).sum().backward()  # and it trains there too
+    (ref_head(ref_block(x)).sum() / world).backward()
+    with serving.summon_full_params(with_grads=True):
+        grads = {n: p.grad for n, p in serving.named_parameters()}
+    expected = {f"0.{n}": p.grad for n, p in ref_block.named_parameters()}
+    expected.update({f"1.{n}": p.grad for n, p in ref_head.named_parameters()})
+    return {
+        "served": torch.allclose(served, ref_head(ref_block(x)), atol=1e-6),
+        "grads": sorted(grads) == sorted(expected)
+        and all(torch.allclose(grads[n], g, atol=1e-6) for n, g in expected.items()),
+        "block_is_unit": block.is_root is False and serving.is_root is True,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_trained_wrapper_under_a_new_root_serves_and_trains(pool: RankPool) -> None:
+    for r in pool.run(_inference_after_training):
+        assert r["served"] and r["grads"] and r["block_is_unit"], r
+
+
+# ---------------------------------------------------------------------- stand-in process groups
+class DummyProcessGroup:
+    """fairscale's test helper (fairseq builds one-rank wrappers with it): a rank and a size."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+_ONE_RANK = """
+import copy, json, torch, torch.distributed as dist
+from torch import nn
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.compat.test_fairscale_wrapper import DummyProcessGroup
+
+group = DummyProcessGroup(rank=0, size=1)  # fairseq's way at world size 1: no init_process_group()
+torch.manual_seed(0)
+ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+model = copy.deepcopy(ref)
+model[2] = FSDP(model[2], process_group=group)
+model = FSDP(model, process_group=group, process_group_reduce_scatter=DummyProcessGroup(0, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+out = {}
+for step in range(3):
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+    if step == 1:
+        with model.no_sync():  # accumulation, then the step
+            model(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+    model(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    out["norm"] = (model.clip_grad_norm_(1.0) - torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)).abs().item()
+    opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+sd = model.state_dict()
+out["keys"] = list(sd) == list(ref.state_dict())
+out["state"] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+model.load_state_dict(ref.state_dict())
+local = model.local_state_dict()
+model.load_local_state_dict(local)
+with model.summon_full_params():
+    out["summon"] = torch.equal(model.module.module[0].weight, ref[0].weight)
+full_optim = model.gather_full_optim_state_dict(opt)
+out["optim"] = full_optim is not None and len(full_optim["state"]) == len(list(ref.parameters()))
+try:
+    model.sharded_state_dict()
+    out["sharded"] = ""
+except RuntimeError as e:
+    out["sharded"] = str(e)
+out["initialized"] = dist.is_initialized()
+print(json.dumps(out))
+"""
+
+
+def test_a_stand_in_group_trains_one_rank_without_init_process_group() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_RANK], cwd=_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["initialized"] is False, "nothing called init_process_group()"
+    assert r["keys"] and r["state"] <= 1e-6 and r["norm"] <= 1e-6, r
+    assert r["summon"] and r["optim"], r
+    assert "need a torch.distributed process group" in r["sharded"], "DTensor state dicts refuse clearly"
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_stand_in_groups_are_checked_and_rebound() -> None:
+    with pytest.raises(ValueError, match=r"says rank 1 of 1"):
+        FSDP(nn.Linear(2, 2), process_group=DummyProcessGroup(1, 1))
+    with pytest.raises(TypeError, match=r"HYBRID_SHARD takes process_group=.* not a stand-in"):
+        FSDP(
+            nn.Linear(2, 2),
+            process_group=DummyProcessGroup(0, 2),
+            sharding_strategy=fsdp.ShardingStrategy.HYBRID_SHARD,
+        )
+    with pytest.raises(ValueError, match=r"stand-in with rank.* cannot communicate"):
+        FSDP(nn.Linear(2, 2), process_group=DummyProcessGroup(0, 2), sync_module_states=True)
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 3)  # 12 elements: 6 per rank
+    second = FSDP(copy.deepcopy(ref), process_group=DummyProcessGroup(rank=1, size=2))
+    assert torch.equal(second.params[0].detach(), torch.cat([ref.weight.reshape(-1), ref.bias])[6:])
+    with pytest.raises(
+        RuntimeError, match=r"holds the shards of rank 1 of 2 and no group to communicate over"
+    ):
+        second(torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"built for rank 1 of 2 .* makes this process rank 0 of 1"):
+        second.process_group = dist.group.WORLD  # (this process is rank 0 of a one-rank world)
+
+
+def _built_elsewhere(tmp: str) -> dict[str, Any]:
+    """fairscale's _test_multiprocessing: each rank's model is built in another process (here a
+    subprocess, without a process group) with DummyProcessGroup(rank, size), sent back pickled, given
+    the real group (fairscale's idiom) and trained, beside a model built here."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = Path(tmp) / f"rank{rank}.pt"
+    code = (
+        "import torch\n"
+        "from tests.compat.test_fairscale_wrapper import DummyProcessGroup, _nested\n"
+        f"group = DummyProcessGroup(rank={rank}, size={world})\n"
+        "with torch.no_grad():\n"
+        "    model = _nested(process_group=group)\n"
+        f"torch.save(model, {str(path)!r})\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = torch.load(path, weights_only=False)
+    before = [str(m.process_group) for m in model.modules() if isinstance(m, FSDP)]
+    for m in model.modules():
+        if isinstance(m, FSDP):
+            m.process_group = dist.group.WORLD
+    here = _nested()
+    x = torch.rand(4, 8, generator=torch.Generator().manual_seed(rank))
+    for m in (model, here):
+        optim = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        m(x).sum().backward()
+        optim.step()
+    return {
+        "before": before,
+        "same": all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(), here.state_dict().values())
+        ),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_model_built_in_another_process_with_a_stand_in_trains_once_given_the_group(
+    pool: RankPool, tmp_path: Path
+) -> None:
+    for rank, r in enumerate(pool.run(_built_elsewhere, str(tmp_path))):
+        assert len(r["before"]) == 4 and all("DummyProcessGroup" in b for b in r["before"]), r
+        assert r["same"], f"rank {rank}: the model built elsewhere trains as one built here"

@@ -10,6 +10,8 @@ alike.
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from typing import Any
 
 import pytest
@@ -321,3 +323,131 @@ def test_unfreezing_a_flat_parameter_frozen_at_construction_reduces_its_gradient
     ref(x).pow(2).mean().backward()
     assert frozen[0].grad is not None and frozen[0].grad.shape == frozen[0].shape
     assert _largest_gap(model, ref, "grad") <= 1e-6
+
+
+# ---------------------------------------------------------------------- copies: deepcopy, pickle, torch.save
+def _ema_copies(strategy: str, mixed: bool) -> dict[str, Any]:
+    """An EMA copy made with copy.deepcopy, before the first forward and after training started,
+    kept beside the model and updated from its shards, against the same on a plain model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy]}
+    if mixed:
+        kwargs.update(mixed_precision=True, compute_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    ref = _Normed()
+    model = wrap(copy.deepcopy(ref), ("out",), **kwargs)
+    early = copy.deepcopy(model)  # before the first forward
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ema = ref_ema = None
+    out: dict[str, Any] = {}
+    for step in range(3):
+        x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(step))
+        model(x[2 * rank : 2 * rank + 2]).float().pow(2).mean().backward()
+        ref(x).float().pow(2).mean().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if ema is None:  # after the first step: the model has a root context, kept full parameters...
+            ema, ref_ema = copy.deepcopy(model), copy.deepcopy(ref)
+            out["shares_storage"] = any(
+                e.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                for e, p in zip(ema.parameters(), model.parameters())
+            )
+            out["same_output"] = torch.equal(ema(x).float(), model(x).float())
+            out["ema_is_own_root"] = ema.is_root is True and model.is_root is True
+        else:
+            with torch.no_grad():
+                for e, p in zip(
+                    [*ema.parameters(), *ref_ema.parameters()], [*model.parameters(), *ref.parameters()]
+                ):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+    probe = torch.randn(3, 6, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = model(probe).float()
+        out["ema_matches"] = torch.allclose(
+            ema(probe).float(), ref_ema(probe).float(), atol=1e-2 if mixed else 1e-6
+        )
+        out["model_untouched"] = torch.equal(model(probe).float(), before)
+    sd, ref_sd = ema.state_dict(), ref_ema.state_dict()  # (the call counters differ: more calls above)
+    out["state"] = max((sd[k] - v).abs().max().item() for k, v in ref_sd.items() if v.is_floating_point())
+    ema(probe).float().sum().backward()  # the copy trains on its own
+    torch.optim.SGD(ema.parameters(), lr=1.0).step()
+    with torch.no_grad():
+        out["model_untouched_by_training"] = torch.equal(model(probe).float(), before)
+        torch.manual_seed(0)
+        initial = _Normed()  # what the model was when the early copy was made
+        out["early_is_initial"] = torch.allclose(
+            early(probe).float(), initial(probe), atol=1e-2 if mixed else 1e-6
+        )
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize(
+    ("strategy", "mixed"), [("FULL_SHARD", False), ("NO_SHARD", False), ("FULL_SHARD", True)]
+)
+def test_deepcopy_gives_an_independent_model_for_ema(pool: RankPool, strategy: str, mixed: bool) -> None:
+    for r in pool.run(_ema_copies, strategy, mixed):
+        assert not r["shares_storage"], "a copy must not share the original's shards"
+        assert r["same_output"] and r["ema_is_own_root"] and r["early_is_initial"], r
+        assert r["ema_matches"] and r["state"] <= (1e-2 if mixed else 1e-6), r
+        assert r["model_untouched"] and r["model_untouched_by_training"], r
+
+
+def _pickled(how: str) -> dict[str, Any]:
+    """pickle / torch.save of the module, before the first forward and after training, loaded in
+    the same processes: the copy trains on as the original does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = wrap(_Normed(), ("out",))
+    x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(0))
+    out: dict[str, Any] = {}
+    for moment in ("fresh", "trained"):
+        if moment == "trained":
+            model(x[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            model.zero_grad()
+        if how == "pickle":
+            loaded = pickle.loads(pickle.dumps(model))
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+        out[f"{moment}_rebound"] = all(
+            w.process_group is dist.group.WORLD for w in loaded.modules() if isinstance(w, FSDP)
+        )
+        for m in (model, loaded):  # one more step each, from the same values: the same results
+            m(x[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+        out[f"{moment}_same"] = all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values())
+        )
+    group = dist.new_group(list(range(world)))  # not the default group: not taken back by itself
+    sub = wrap(_Normed(), ("out",), process_group=group)
+    loaded = pickle.loads(pickle.dumps(sub))
+    try:
+        loaded(x)
+        out["detached_error"] = ""
+    except RuntimeError as e:
+        out["detached_error"] = str(e)
+    for m in loaded.modules():
+        if isinstance(m, FSDP):
+            m.process_group = group  # fairscale's idiom after unpickling
+    loaded(x[2 * rank : 2 * rank + 2]).sum().backward()
+    out["bound_trains"] = all(p.grad is not None for p in loaded.parameters())
+    return out
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_wrapped_model_loads_and_trains_on(pool: RankPool, how: str) -> None:
+    for r in pool.run(_pickled, how):
+        assert r["fresh_rebound"] and r["trained_rebound"], (
+            "unpickled among the same ranks: the default group"
+        )
+        assert r["fresh_same"] and r["trained_same"], r
+        assert "`model.process_group = group` on every wrapper" in r["detached_error"], r
+        assert r["bound_trains"], r

@@ -391,13 +391,8 @@ def test_a_module_wrapped_twice_is_refused(single_rank_group: None) -> None:
     assert isinstance(FSDP(first).module, FSDP), "a wrapper around the wrapper stays allowed"
     seq = nn.Sequential(FSDP(nn.Linear(2, 2)), FSDP(nn.Linear(2, 2)))  # all parameters in inner wrappers
     outer = FSDP(seq)
-    with pytest.raises(
-        ValueError, match="inner wrapper at '0' already belongs to another live outer wrapper"
-    ):
-        FSDP(seq)
-    del outer
-    gc.collect()
-    FSDP(seq)  # once the first outer wrapper is gone, the inner ones may be wrapped again
+    again = FSDP(seq)  # fairscale's re-wrapping (inference after training): it owns nothing of its own
+    assert outer.handles == again.handles == []
 
 
 def test_inner_wrappers_of_a_deleted_root_that_ran_go_under_a_new_root(single_rank_group: None) -> None:
@@ -547,8 +542,6 @@ def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata
     for what, attempt in attempts.items():
         with pytest.raises(RuntimeError, match=rf"{re.escape(what)} on '0.weight', which is sharded"):
             attempt()
-    with pytest.raises(RuntimeError, match="cannot be deep-copied or pickled"):
-        copy.deepcopy(model)
     with model.summon_full_params():  # the way to write values
         nn.init.zeros_(model.module[0].weight)
     with model.summon_full_params():
