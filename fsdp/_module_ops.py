@@ -51,7 +51,6 @@ from torch import nn
 from fsdp.api import CommConfig, FSDPConfig, ShardingStrategy, TrainingState
 from fsdp.consistency import wrapper_path
 from fsdp.flat_param import claim_modules, collect_owned
-from fsdp.grad_hooks import AccumulatorHooks
 from fsdp.handle import FlatParamHandle
 from fsdp.topology import is_stand_in
 
@@ -148,7 +147,19 @@ class ModuleOps:
         raise NotImplementedError
 
     def _runtime_state(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What a copy or a pickle does not take: a fresh wrapper's values of the state a forward, a
+        step or another wrapper set. See [Note: copies of a wrapped model] in fsdp/_module_ops.py."""
+        return {
+            "_own_ctx": None,
+            "_ctx_ref": None,
+            "_is_root": None,
+            "_outer": None,
+            "_frozen": False,
+            "_pre_backward_done": False,
+            "training_state": TrainingState.IDLE,
+            "_reshard_after_forward": self.fsdp_config.sharding.reshard_after_forward,
+            "_original_names": {},
+        }
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
         raise NotImplementedError
@@ -209,14 +220,18 @@ class ModuleOps:
         if changed:
             self.fsdp_config = dataclasses.replace(config, compute_device=device)
         for i, h in enumerate(self.handles):
-            registered = self._parameters.get(f"flat_param_{i}")
-            if registered is not None and registered is not h.flat_param:  # (a conversion that replaces
-                h.flat_param = registered  # parameters: torch.__future__'s overwrite option)
-                h.accumulators = AccumulatorHooks(registered)
-                h.accumulators.on_accumulated = self._make_post_backward_hook(h)
+            registered = self._parameters.get(f"flat_param_{i}", h.flat_param)
+            replaced = registered is not h.flat_param
+            if replaced:  # (a conversion that replaces parameters: torch.__future__'s overwrite option)
+                h.flat_param = registered
             data, shard = h.flat_param.data, h.sharded_data()
-            if (data.dtype, data.device, data.data_ptr()) != (shard.dtype, shard.device, shard.data_ptr()):
+            if replaced or (data.dtype, data.device, data.data_ptr()) != (
+                shard.dtype,
+                shard.device,
+                shard.data_ptr(),
+            ):
                 h.follow_conversion(config.precision.param_dtype, device)
+                h.accumulators.on_accumulated = self._make_post_backward_hook(h)  # (its hooks are new)
                 changed = True
         cast_to = config.precision.buffer_dtype
         module = self._fsdp_wrapped_module

@@ -23,7 +23,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -429,13 +429,10 @@ class FullyShardedDataParallel(
     # ------------------------------------------------------------------ module forwarding
     @property
     def module(self) -> nn.Module:
-        """The wrapped module, for a wrapper built torch's way (as torch FSDP1's ``.module``);
-        fairscale's ``FlattenParamsWrapper`` level above it otherwise, whose ``.module`` is the wrapped
-        module and which passes everything else to it (:class:`~fsdp._fairscale_attrs.FlattenParamsLevel`)."""
+        """The wrapped module (built torch's way), or fairscale's level above it (``FlattenParamsLevel``)."""
         if self._torch_style:
             return self._fsdp_wrapped_module
-        level: Any = FlattenParamsLevel(self._fsdp_wrapped_module)
-        return level  # type: ignore[no-any-return]
+        return cast(nn.Module, FlattenParamsLevel(self._fsdp_wrapped_module))
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -449,21 +446,6 @@ class FullyShardedDataParallel(
     def __getitem__(self, key: int) -> Any:
         """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
-
-    def _runtime_state(self) -> dict[str, Any]:
-        """What a copy or a pickle does not take: a fresh wrapper's values of the state a forward, a
-        step or another wrapper set. See [Note: copies of a wrapped model] in fsdp/_module_ops.py."""
-        return {
-            "_own_ctx": None,
-            "_ctx_ref": None,
-            "_is_root": None,
-            "_outer": None,
-            "_frozen": False,
-            "_pre_backward_done": False,
-            "training_state": TrainingState.IDLE,
-            "_reshard_after_forward": self.fsdp_config.sharding.reshard_after_forward,
-            "_original_names": {},
-        }
 
     def _register_live(self) -> None:
         _LIVE.add(self)
@@ -857,16 +839,12 @@ class FullyShardedDataParallel(
 
     @contextlib.contextmanager
     def no_sync(self, keep_full_params: bool = False) -> Generator[None, None, None]:
-        """Accumulate gradients over several backward passes without reducing them.
+        """Accumulate gradients over several backward passes without reducing them (on the root).
 
-        Call it on the root. Inside, each backward adds its full gradients locally; the first
-        backward after the context reduces the sum once, so k micro-batches equal one k-times
-        larger batch. Full parameters follow ``reshard_after_forward`` as outside, as in fairscale
-        (each forward and backward gathers the units that free theirs), so the window holds the
-        sharded model, a full gradient per unit and the units being computed. With
-        ``keep_full_params=True`` every unit keeps its full parameters from its first forward on, and
-        nothing at all is communicated after the first micro-batch, for the unsharded model's
-        memory. See [Note: no_sync].
+        The first backward after the context reduces the sum once: k micro-batches equal one
+        k-times larger batch. Full parameters follow ``reshard_after_forward`` as outside (as in
+        fairscale); ``keep_full_params=True`` keeps every unit's, so nothing is communicated after
+        the first micro-batch. See [Note: no_sync].
         """
         if not isinstance(keep_full_params, bool):
             raise TypeError(

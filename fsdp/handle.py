@@ -220,29 +220,29 @@ class FlatParamHandle:
         # that is where it is anyway, and nothing changes.
         self.compute_device = device  # where the full parameter and the collectives live
         self.offloaded = offload and device.type != "cpu"
-        self.copies = SideCopies.for_device(device) if self.offloaded and device.type == "cuda" else None
-        self._grad_copy = None
         if comm.world_size == 1 and not self.mixed and not self.offloaded:
             self._shard = padded
         else:
             self._shard = padded[self.spec.start : self.spec.end].clone()
             if self.offloaded:
                 self._shard = DeviceHandle(device).pin_memory(self._shard.cpu())
-        self._make_full_buffers(padded)
         self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
+        self._start_sharded(padded)
+
+    def _start_sharded(self, padded: torch.Tensor | None = None) -> None:
+        """The state of a handle between steps, around its shard (``flat_param.data``): full
+        buffers made and freed, no gradient in flight, hooks and stand-ins installed."""
+        cuda = self.offloaded and self.compute_device.type == "cuda"
+        self.copies = SideCopies.for_device(self.compute_device) if cuda else None
+        self._grad_copy = None
+        self._make_full_buffers(padded)
         self.state = MemoryState.SHARDED
-        self._saved_grad_shard = None
-        self._pending = None
-        self._gathering = None
-        self.rs_bucketer = None
-        self._all_reduce_after = False
-        self._grad_acc = None
-        self._bucketed = False
-        self.reduced_this_backward = False
-        self._full_grad = None
+        self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
+        self._grad_acc = self._full_grad = None
+        self._all_reduce_after = self._bucketed = self.reduced_this_backward = False
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = [
-            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.meta.requires_grad)
+            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
             for info in self.meta.params
         ]
         self.remove_module_tensors()
@@ -289,14 +289,10 @@ class FlatParamHandle:
         self._shard = data
         self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
         self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
-        self._make_full_buffers()
-        if self._grad_acc is not None:  # (accumulated in no_sync, not yet reduced)
-            self._grad_acc = self._grad_acc.to(device=device, dtype=data.dtype)
-        self._placeholders = [
-            make_placeholder(info.fqn, info.shape, data.dtype, self.flat_param.requires_grad)
-            for info in self.meta.params
-        ]
-        self.remove_module_tensors()
+        grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
+        self._start_sharded()
+        if grad_acc is not None:
+            self._grad_acc = grad_acc.to(device=device, dtype=data.dtype)
 
     # ------------------------------------------------------------------ copies
     # What a copy or a pickle of the handle keeps: its layout, its flat parameter (the shard, its data)
@@ -316,25 +312,11 @@ class FlatParamHandle:
         self.__dict__.update(state)
         self.comm = None  # type: ignore[assignment]  # (set by the wrapper right after)
         self.stats, self.memory = CommStats(), MemoryStats()
-        cuda = self.offloaded and self.compute_device.type == "cuda"
-        self.copies = SideCopies.for_device(self.compute_device) if cuda else None
-        self._grad_copy = None
         self._shard = self.flat_param.data
         if self.offloaded:
-            self._shard = DeviceHandle(self.compute_device).pin_memory(self._shard)
-            self.flat_param.data = self._shard
+            self._shard = self.flat_param.data = DeviceHandle(self.compute_device).pin_memory(self._shard)
         self.flat_param.grad = None
-        self._make_full_buffers()
-        self.state = MemoryState.SHARDED
-        self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
-        self._grad_acc = self._full_grad = None
-        self._all_reduce_after = self._bucketed = self.reduced_this_backward = False
-        self.accumulators = AccumulatorHooks(self.flat_param)
-        self._placeholders = [
-            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
-            for info in self.meta.params
-        ]
-        self.remove_module_tensors()
+        self._start_sharded()
 
     # ------------------------------------------------------------------ properties
     @property
