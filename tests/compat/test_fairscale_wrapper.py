@@ -429,8 +429,8 @@ ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
 out = {}
 for step in range(3):
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
-    if step == 1:
-        with model.no_sync():  # accumulation, then the step
+    if step == 0:
+        with model.no_sync():  # before the first forward too (fairscale's test_no_sync_before_first_forward)
             model(x).pow(2).mean().backward()
         ref(x).pow(2).mean().backward()
     model(x).pow(2).mean().backward()
