@@ -396,17 +396,17 @@ def test_deepcopy_gives_an_independent_model_for_ema(pool: RankPool, strategy: s
         assert r["model_untouched"] and r["model_untouched_by_training"], r
 
 
-def _pickled(how: str) -> dict[str, Any]:
+def _pickled(how: str, mixed: bool) -> dict[str, Any]:
     """pickle / torch.save of the module, before the first forward and after training, loaded in
-    the same processes: the copy trains on as the original does."""
+    the same processes: the copy trains on as the original does (fairscale's test_pickle)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = wrap(_Normed(), ("out",))
+    model = wrap(_Normed(), ("out",), mixed_precision=mixed)
     x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(0))
     out: dict[str, Any] = {}
     for moment in ("fresh", "trained"):
         if moment == "trained":
-            model(x[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+            model(x[2 * rank : 2 * rank + 2]).float().pow(2).mean().backward()
             torch.optim.SGD(model.parameters(), lr=0.1).step()
             model.zero_grad()
         if how == "pickle":
@@ -420,13 +420,13 @@ def _pickled(how: str) -> dict[str, Any]:
             w.process_group is dist.group.WORLD for w in loaded.modules() if isinstance(w, FSDP)
         )
         for m in (model, loaded):  # one more step each, from the same values: the same results
-            m(x[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+            m(x[2 * rank : 2 * rank + 2]).float().pow(2).mean().backward()
             torch.optim.SGD(m.parameters(), lr=0.1).step()
         out[f"{moment}_same"] = all(
             torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values())
         )
     group = dist.new_group(list(range(world)))  # not the default group: not taken back by itself
-    sub = wrap(_Normed(), ("out",), process_group=group)
+    sub = wrap(_Normed(), ("out",), process_group=group, mixed_precision=mixed)
     loaded = pickle.loads(pickle.dumps(sub))
     try:
         loaded(x)
@@ -436,15 +436,15 @@ def _pickled(how: str) -> dict[str, Any]:
     for m in loaded.modules():
         if isinstance(m, FSDP):
             m.process_group = group  # fairscale's idiom after unpickling
-    loaded(x[2 * rank : 2 * rank + 2]).sum().backward()
+    loaded(x[2 * rank : 2 * rank + 2]).float().sum().backward()
     out["bound_trains"] = all(p.grad is not None for p in loaded.parameters())
     return out
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("how", ["pickle", "torch.save"])
-def test_a_pickled_wrapped_model_loads_and_trains_on(pool: RankPool, how: str) -> None:
-    for r in pool.run(_pickled, how):
+@pytest.mark.parametrize(("how", "mixed"), [("pickle", False), ("pickle", True), ("torch.save", False)])
+def test_a_pickled_wrapped_model_loads_and_trains_on(pool: RankPool, how: str, mixed: bool) -> None:
+    for r in pool.run(_pickled, how, mixed):
         assert r["fresh_rebound"] and r["trained_rebound"], (
             "unpickled among the same ranks: the default group"
         )
