@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import fsdp
 from fsdp import FullyShardedDataParallel as FSDP
@@ -80,6 +81,9 @@ def test_a_wrapper_built_torchs_way_has_torchs_module(torch_option: dict) -> Non
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     model = FSDP(net, **torch_option)
     assert model.module is net, "torch FSDP1's .module is the wrapped module itself"
+    inner = nn.Linear(2, 2)
+    by_policy = FSDP(nn.Sequential(inner, nn.ReLU()), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    assert by_policy.module[0].module is inner, "the wrappers a torch policy builds are torch's too"
 
 
 @pytest.mark.usefixtures("single_rank_group")
