@@ -354,12 +354,12 @@ class FullyShardedDataParallel(
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             # Only now, once every option and every parameter's dtype passed the checks above (those of
             # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
-            before = {id(w) for _, top in inner for w in top._wrappers()}
+            existing = {id(w) for _, top in inner for w in top._wrappers()}
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
             )  # (not a subclass's)
             _, _, inner = collect_owned(module, is_wrapper, ignored)
-            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in before):
+            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
                 w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
