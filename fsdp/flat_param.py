@@ -211,11 +211,6 @@ class _ShardedPlaceholder(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         name = next((a._fsdp_name for a in args if isinstance(a, _ShardedPlaceholder)), "a parameter")
-        if func.__name__ in ("__deepcopy__", "__reduce_ex__", "__setstate__"):
-            raise RuntimeError(
-                f"FullyShardedDataParallel: a wrapped module cannot be deep-copied or pickled ({name!r} is "
-                "sharded). Copy the module before wrapping it, or save and load model.state_dict()"
-            )
         what = {"__set__": f"setting .{attr}", "__get__": f"reading .{attr}"}.get(
             func.__name__, f"{func.__name__}()"
         )
@@ -227,6 +222,14 @@ class _ShardedPlaceholder(torch.Tensor):
             "would be ignored. Read or change full parameters inside `with model.summon_full_params():`; freeze "
             "or initialize parameters before wrapping; call the wrapper, not its inner module (`model.module(x)`)"
         )
+
+    # A copy or a pickle of a wrapped module holds stand-ins again (the wrapper copies its shards):
+    # see [Note: copies of a wrapped model] in fsdp/_module_ops.py.
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return make_placeholder(self._fsdp_name, self.shape, self.dtype, self.requires_grad)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return make_placeholder, (self._fsdp_name, tuple(self.shape), self.dtype, self.requires_grad)
 
 
 def resharded_in_backward(what: str) -> str:
@@ -317,6 +320,15 @@ class IgnoredStates:
 
     def __bool__(self) -> bool:
         return bool(self.roots or self.params)
+
+    # copied and pickled by the modules and parameters themselves (ids change in a copy)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"roots": self.roots, "params": self.params, "where": list(self._locations.items())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.roots, self.params = state["roots"], state["params"]
+        self._modules = {id(m): m for r in self.roots for m in r.modules()}
+        self._locations = {(id(m), name): m for (_, name), m in state["where"]}
 
     def has_module(self, m: nn.Module) -> bool:
         return id(m) in self._modules

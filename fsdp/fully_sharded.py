@@ -23,7 +23,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ from torch.profiler import record_function as _record_function
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp._fairscale_attrs import FairscaleAttributes, is_expert
+from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
+from fsdp._module_ops import ModuleOps
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
@@ -102,6 +103,9 @@ from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
+    group_rank,
+    group_size,
+    is_stand_in,
     materialize_device,
     reduce_scatter_group,
     resolve_groups,
@@ -129,7 +133,8 @@ class _RootContext:
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
-    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
+    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is reduced
+    keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
     bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
     bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
@@ -145,6 +150,7 @@ class _RootContext:
         self._wrappers = [weakref.ref(w) for w in wrappers]
         self.callback_queued = False
         self.sync = True
+        self.keep_full = False
         self.bucketer = None
         self.bucket_index = {}
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
@@ -167,7 +173,7 @@ class _RootContext:
 
 
 class FullyShardedDataParallel(
-    FairscaleAttributes, SummonMethods, StateDictMethods, StatsMethods, TorchFSDPMethods, nn.Module
+    FairscaleAttributes, SummonMethods, StateDictMethods, StatsMethods, TorchFSDPMethods, ModuleOps, nn.Module
 ):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
@@ -271,7 +277,7 @@ class FullyShardedDataParallel(
         self._frozen = False
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
+        if not (dist.is_available() and (dist.is_initialized() or is_stand_in(process_group))):
             raise RuntimeError(
                 "FullyShardedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
@@ -279,6 +285,11 @@ class FullyShardedDataParallel(
         if not isinstance(sync_module_states, bool):
             raise TypeError(
                 f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
+            )
+        if sync_module_states and is_stand_in(process_group) and group_size(process_group) > 1:
+            raise ValueError(
+                "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
+                "stand-in with rank() and size() cannot communicate; pass the real group"
             )
         torch_options = torch_fsdp_options(
             sharding_strategy,
@@ -310,7 +321,7 @@ class FullyShardedDataParallel(
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
             rs_group = reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
-        dp_size = dist.get_world_size(groups.dp)
+        dp_size = group_size(groups.dp)
         pre = (
             float(gradient_predivide_factor)
             if gradient_predivide_factor
@@ -321,13 +332,6 @@ class FullyShardedDataParallel(
         collected, _, inner = collect_owned(module, is_wrapper, ignored)
         if auto_wrap_policy is not None:
             collected = without_own_precision(collected, module, auto_wrap_policy, mixed_precision, ignored)
-        for path, w in inner:
-            if w._inside_another:
-                raise ValueError(
-                    f"FullyShardedDataParallel: the inner wrapper at {path or '<the wrapped module>'!r} already "
-                    "belongs to another live outer wrapper; wrap each module once (build the model again for a "
-                    "second wrapped copy)"
-                )
         # every option is validated before a meta unit is materialized (dtypes are known on meta)
         config = FSDPConfig(
             sharding=ShardingConfig(
@@ -353,7 +357,7 @@ class FullyShardedDataParallel(
                 groups.replicate,
                 groups.dp,
                 dp_size,
-                dist.get_rank(groups.dp),
+                group_rank(groups.dp),
             ),
             state_dict=StateDictConfig(
                 state_dict_device,
@@ -369,10 +373,13 @@ class FullyShardedDataParallel(
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             # Only now, once every option and every parameter's dtype passed the checks above (those of
             # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
+            existing = {id(w) for _, top in inner for w in top._wrappers()}
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
             )  # (not a subclass's)
             _, _, inner = collect_owned(module, is_wrapper, ignored)
+            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
+                w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
@@ -399,6 +406,7 @@ class FullyShardedDataParallel(
             broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
         precision = config.precision
         self._fsdp_wrapped_module = module
+        self._torch_style = built_torch_style(options)
         self._outer = None
         # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
         # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
@@ -452,14 +460,17 @@ class FullyShardedDataParallel(
             )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
-            if handle.requires_grad:  # See [Note: gradient accumulators] in fsdp/grad_hooks.py
-                handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
+            # See [Note: gradient accumulators] in fsdp/grad_hooks.py (every one: a frozen flat parameter
+            # may be unfrozen between steps, and hooks nothing until then)
+            handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
 
     # ------------------------------------------------------------------ module forwarding
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module (built torch's way), or fairscale's level above it (``FlattenParamsLevel``)."""
+        if self._torch_style:
+            return self._fsdp_wrapped_module
+        return cast(nn.Module, FlattenParamsLevel(self._fsdp_wrapped_module))
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -473,6 +484,9 @@ class FullyShardedDataParallel(
     def __getitem__(self, key: int) -> Any:
         """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def _register_live(self) -> None:
+        _LIVE.add(self)
 
     @property
     def is_root(self) -> bool | None:
@@ -499,46 +513,6 @@ class FullyShardedDataParallel(
 
     def _wrappers(self) -> list[FullyShardedDataParallel]:
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
-
-    def _apply(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-    ) -> FullyShardedDataParallel:
-        """``.half()``, ``.to()``, ``.cuda()`` after wrapping: refused, before anything changes, when
-        they would change a flat parameter's dtype or device (shards, casts and copies were set up
-        for those at construction); allowed when they change nothing."""
-        if self._frozen:  # an outer wrapper's deferred initialization is running
-            return self
-        for w in self._wrappers():
-            for h in w.handles:
-                probe = fn(h.flat_param.detach())
-                if (probe.dtype, probe.device) != (h.flat_param.dtype, h.flat_param.device):
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: .half() / .to() / .cuda() after wrapping would make the flat "
-                        f"parameters {probe.dtype} on {probe.device} (they are {h.flat_param.dtype} on "
-                        f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
-                        "/ compute_dtype / compute_device"
-                    )
-            cast_to = w.fsdp_config.precision.buffer_dtype
-            for name, original in w._buffer_dtypes.items():  # moved to compute_device, cast to buffer_dtype
-                try:
-                    b = w.module.get_buffer(name)
-                except AttributeError:  # (removed since)
-                    continue
-                if b is None:  # (set to None since: nothing to move)
-                    continue
-                cast = cast_to is not None and b.dtype == cast_to != original  # the wrapper cast it
-                probe = fn(b)
-                if probe.device != b.device or (probe.dtype != b.dtype and cast):
-                    path = wrapper_path(self, w)
-                    name = name if path == "<root>" else f"{path}.{name}"
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: .float() / .half() / .to() / .cuda() after wrapping would make "
-                        f"the buffer {name!r} {probe.dtype} on {probe.device}; the wrapper keeps it "
-                        f"{b.dtype} on {b.device} (buffer_dtype / compute_device). Cast or move the module before "
-                        "wrapping it, or set buffer_dtype"
-                    )
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        return self
 
     @property
     def _ctx(self) -> _RootContext | None:
@@ -582,16 +556,23 @@ class FullyShardedDataParallel(
                     self._ctx.wrappers_as_built()
                 )  # See [Note: parameters added after wrapping]
             return
+        self._require_groups("the first forward")
         wrappers = self._wrappers()
         for w in wrappers[1:]:
-            if w._is_root:  # it ran alone first (an evaluation, say): it becomes one of this root's units
-                if not w._context_is_idle():
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
-                        "root of its own and is not done with it (it is inside its own no_sync()). Leave that "
-                        "no_sync() before the outer wrapper's first forward"
-                    )
-                w._release_context()
+            # It ran alone first (an evaluation, say), or under another outer wrapper that holds it too
+            # (wrapped again for inference after training): it becomes one of this root's units, and
+            # the tree it belonged to is set up again at its next forward.
+            other = w._ctx
+            if other is None:
+                continue
+            if not other.wrappers[0]._context_is_idle():
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
+                    "root of its own and is not done with it (it is inside its own no_sync()), or belongs to "
+                    "another wrapper tree in the middle of a step. Finish that step before the outer wrapper's "
+                    "first forward"
+                )
+            other.wrappers[0]._release_context()
         check_no_pending_ties(wrappers, _LIVE)
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
@@ -637,7 +618,7 @@ class FullyShardedDataParallel(
                         h._check_placeholders()
                 w._adopt_attached(wrapper_path(self, w) or "<root>")
                 check_no_parameters_added(
-                    w.module,
+                    w._fsdp_wrapped_module,
                     lambda m: isinstance(m, FullyShardedDataParallel),
                     wrapper_path(self, w) or "<root>",
                     w._ignored,
@@ -689,9 +670,12 @@ class FullyShardedDataParallel(
                 else:
                     outputs = self._fsdp_wrapped_module(*args, **kwargs)
             finally:
-                # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
-                # full parameters stay until the next forward. See [Note: no_sync].
-                keep_full = grad_enabled and (not self._reshard_after_forward or not self._ctx.sync)
+                # Under no_grad no backward follows: nothing is worth keeping. Inside
+                # no_sync(keep_full_params=True) the full parameters stay until the next forward.
+                # See [Note: no_sync].
+                keep_full = grad_enabled and (
+                    not self._reshard_after_forward or (not self._ctx.sync and self._ctx.keep_full)
+                )
                 for h in self.handles:
                     h.reshard(free_full=not keep_full)
                 if not keep_full and any(h.gathers for h in self.handles):
@@ -721,7 +705,8 @@ class FullyShardedDataParallel(
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Inputs to the compute dtype: under a ``MixedPrecision`` every floating one, recorded by autograd
-        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's).
+        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's),
+        to fp16 when the compute dtype is fp32 (fairscale's rule, for fp32 compute under autocast).
         Or low precision inputs to fp32 under ``force_input_to_fp32``."""
         precision = self.fsdp_config.precision
         if precision.mixed and (
@@ -729,10 +714,13 @@ class FullyShardedDataParallel(
         ):
             assert precision.param_dtype is not None
             torch_way = precision.torch_input_casts
+            target = precision.param_dtype
+            if not torch_way and target == torch.float32:
+                target = torch.float16
             args, kwargs = cast_inputs(
                 (args, kwargs),
                 None if torch_way else torch.float32,
-                precision.param_dtype,
+                target,
                 detach=bool(self._is_root) and not torch_way,
             )
         if precision.force_input_to_fp32:
@@ -754,7 +742,7 @@ class FullyShardedDataParallel(
         visit_tensors(outputs, hook, opaque)
         if hooked == 0 and opaque and any(h.requires_grad for h in self.handles):
             raise TypeError(
-                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self.module).__name__} "
+                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self._fsdp_wrapped_module).__name__} "
                 f"(found {', '.join(sorted({type(o).__name__ for o in opaque}))}); return tensors in a tuple, list, "
                 "dict, namedtuple or dataclass so that backward can be hooked"
             )
@@ -808,7 +796,7 @@ class FullyShardedDataParallel(
     def _post_backward(self, handle: FlatParamHandle) -> None:
         if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(
-                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self.module).__name__} "
+                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self._fsdp_wrapped_module).__name__} "
                 f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
                 "Compute the loss from the outputs of the FSDP forward"
             )
@@ -823,7 +811,9 @@ class FullyShardedDataParallel(
         self.training_state = TrainingState.BACKWARD_POST
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
-            handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            handle.reduce_grad(
+                sync=ctx.sync, bucketed=index is not None, keep_full=self._keeps_full_in_no_sync(ctx)
+            )
             # Finish older reductions as backward goes on, freeing their full gradients now rather
             # than at the end of backward: at most one sent reduction stays in flight.
             if handle.reduction_pending:
@@ -859,11 +849,13 @@ class FullyShardedDataParallel(
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
-            for h in handles:
-                # shard first: a handle that got no gradient in this backward (an unused parameter,
-                # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
-                h.reshard(free_full=ctx.sync)
-                h.finalize_gradient()
+            for w in ctx.wrappers:
+                free = ctx.sync or not w._keeps_full_in_no_sync(ctx)
+                for h in w.handles:
+                    # shard first: a handle that got no gradient in this backward (an unused parameter,
+                    # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
+                    h.reshard(free_full=free)
+                    h.finalize_gradient()
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()
@@ -902,24 +894,36 @@ class FullyShardedDataParallel(
                 h.discard_accumulated_grad()
 
     @contextlib.contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients over several backward passes without any communication.
+    def no_sync(self, keep_full_params: bool = False) -> Generator[None, None, None]:
+        """Accumulate gradients over several backward passes without reducing them (on the root).
 
-        Call it on the root. Inside, each backward adds its gradients locally; the first backward
-        after the context reduces the sum once, so k micro-batches equal one k-times larger batch.
-        Full parameters and gradients of every unit stay in memory meanwhile. See [Note: no_sync].
+        The first backward after the context reduces the sum once: k micro-batches equal one
+        k-times larger batch. Full parameters follow ``reshard_after_forward`` as outside (as in
+        fairscale); ``keep_full_params=True`` keeps every unit's, so nothing is communicated after
+        the first micro-batch. See [Note: no_sync].
         """
+        if not isinstance(keep_full_params, bool):
+            raise TypeError(
+                f"FullyShardedDataParallel.no_sync: keep_full_params must be a bool, got {keep_full_params!r}"
+            )
         self._require_root("no_sync()")
         ctx = self._ctx
         assert ctx is not None
         for w in ctx.wrappers:
             w.assert_state(TrainingState.IDLE)
-        previous, ctx.sync = ctx.sync, False
+        previous = ctx.sync, ctx.keep_full
+        ctx.sync, ctx.keep_full = False, keep_full_params
         try:
             with unsynced(self, (h.flat_param for w in ctx.wrappers for h in w.handles)):
                 yield
         finally:
-            ctx.sync = previous
+            ctx.sync, ctx.keep_full = previous
+
+    def _keeps_full_in_no_sync(self, ctx: _RootContext) -> bool:
+        """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
+        the root and ``reshard_after_forward=False`` do (as outside), every unit does with
+        ``keep_full_params=True``."""
+        return ctx.keep_full or not self._reshard_after_forward
 
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; return that norm.
@@ -969,9 +973,10 @@ class FullyShardedDataParallel(
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
             w._adopt_attached(w._fsdp_wrapped_module.__class__.__name__)
+        self._require_groups("a state dict or optimizer state")
         units = {
             id(w): sd_impl.UnitSpec(
-                w.module,
+                w._fsdp_wrapped_module,
                 tuple(w.handles),
                 w._module_param_order,
                 w._buffer_dtypes,

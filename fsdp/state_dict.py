@@ -552,6 +552,7 @@ def _load_renamed(
             errors_out.append(line)
     elif errors:
         raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
+            f"Error(s) in loading state_dict for {type(root._fsdp_wrapped_module).__name__}:\n\t"
+            + "\n\t".join(errors)
         )
     return _IncompatibleKeys(missing, unexpected)

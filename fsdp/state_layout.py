@@ -183,6 +183,13 @@ class Layout:
         return hashlib.sha1("\n".join(lines).encode()).hexdigest()
 
     def mesh(self) -> DeviceMesh:
+        if not isinstance(self.group, dist.ProcessGroup):  # a stand-in with rank() and size()
+            raise RuntimeError(
+                "FullyShardedDataParallel: sharded (DTensor) state dicts and torch.distributed.checkpoint need a "
+                "torch.distributed process group, and this model was built with a stand-in (rank() and size() "
+                "only) or unpickled without one. Use state_dict() / local_state_dict(), or call "
+                "init_process_group() and set model.process_group = <group> on every wrapper"
+            )
         return DeviceMesh.from_group(self.group, self.device.type)
 
 

@@ -576,7 +576,7 @@ def _plain_parent_edges() -> dict[str, object]:
     parent.load_state_dict(ref.state_dict())
     out["ema"] = parent[0].module.ema.tolist()
     out["hook_calls"] = parent[0].module.hook_calls
-    out["children_back"] = parent[0].module is parent[0]._fsdp_wrapped_module
+    out["children_back"] = parent[0].module.module is parent[0]._fsdp_wrapped_module
 
     # rank0_only and the state dict device cover the wrapper's buffers too, under a parent
     def body() -> nn.Module:

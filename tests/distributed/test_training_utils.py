@@ -47,7 +47,7 @@ def _no_sync(strategy: str, micro: int) -> dict[str, Any]:
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         batches = [torch.randn(2 * world, 6, generator=g) for _ in range(micro)]
-        with model.no_sync():
+        with model.no_sync(keep_full_params=True):  # (the default follows reshard_after_forward)
             for b in batches[:-1]:
                 model.reset_comm_stats()
                 model(b[2 * rank : 2 * rank + 2]).pow(2).mean().backward()

@@ -218,7 +218,7 @@ def test_attribute_and_item_forwarding_and_repr(single_rank_group: None) -> None
     inner.custom_flag = 7  # type: ignore[assignment]
     model = FSDP(inner, verbose=True)
     assert model.custom_flag == 7
-    assert model[1] is inner[1] and model.module is inner
+    assert model[1] is inner[1] and model.module.module is inner  # fairscale's FlattenParamsWrapper level
     text = repr(model)
     assert (
         "world_size=1" in text and "flat_params=1" in text and "numel=16" in text and "is_root=None" in text
@@ -413,13 +413,8 @@ def test_a_module_wrapped_twice_is_refused(single_rank_group: None) -> None:
     assert isinstance(FSDP(first).module, FSDP), "a wrapper around the wrapper stays allowed"
     seq = nn.Sequential(FSDP(nn.Linear(2, 2)), FSDP(nn.Linear(2, 2)))  # all parameters in inner wrappers
     outer = FSDP(seq)
-    with pytest.raises(
-        ValueError, match="inner wrapper at '0' already belongs to another live outer wrapper"
-    ):
-        FSDP(seq)
-    del outer
-    gc.collect()
-    FSDP(seq)  # once the first outer wrapper is gone, the inner ones may be wrapped again
+    again = FSDP(seq)  # fairscale's re-wrapping (inference after training): it owns nothing of its own
+    assert outer.handles == again.handles == []
 
 
 def test_inner_wrappers_of_a_deleted_root_that_ran_go_under_a_new_root(single_rank_group: None) -> None:
@@ -569,8 +564,6 @@ def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata
     for what, attempt in attempts.items():
         with pytest.raises(RuntimeError, match=rf"{re.escape(what)} on '0.weight', which is sharded"):
             attempt()
-    with pytest.raises(RuntimeError, match="cannot be deep-copied or pickled"):
-        copy.deepcopy(model)
     with model.summon_full_params():  # the way to write values
         nn.init.zeros_(model.module[0].weight)
     with model.summon_full_params():
@@ -610,29 +603,6 @@ def test_an_optimizer_step_inside_no_sync_is_refused(single_rank_group: None) ->
             opt.step()  # the accumulated gradients are not reduced yet, nor in .grad
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
-
-
-def test_casting_or_moving_after_wrapping_is_refused_before_anything_changes(single_rank_group: None) -> None:
-    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.BatchNorm1d(2), nn.Linear(2, 1)))
-    for cast in (lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.bfloat16()):
-        with pytest.raises(
-            RuntimeError, match=r"after wrapping would make the flat parameters torch\.\w+ on cpu"
-        ):
-            cast(model)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert model.module[1].running_mean.dtype == torch.float32, "no buffer was cast either"
-    assert model.cpu().float().to("cpu") is model  # calls that change nothing stay allowed
-    model(torch.ones(3, 2)).sum().backward()
-    mixed = FSDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), mixed_precision=True)
-    with pytest.raises(RuntimeError, match=r"would make the buffer '1\.running_mean' torch\.float32 on cpu"):
-        mixed.float()  # the fp32 flat parameters do not change, the fp16 buffers would
-    assert mixed.module[1].running_mean.dtype == torch.float16
-    mixed(torch.ones(3, 2))
-    plain = FSDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
-    plain.module[1].running_mean = torch.zeros(2, dtype=torch.float64)  # the user's dtype, not a cast
-    plain.module[1].running_var = None  # a buffer cleared to None stays registered
-    assert plain.float().to("cpu") is plain
-    assert plain.module[1].running_mean.dtype == torch.float32, ".float() did what it does on a plain module"
 
 
 def test_a_state_dict_with_an_extra_prefix_gets_a_hint(single_rank_group: None) -> None:
