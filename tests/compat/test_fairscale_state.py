@@ -633,7 +633,7 @@ def _tied_lm(how: str, flatten: bool) -> dict[str, Any]:
         "trained": not torch.equal(before["out.weight"], ref.state_dict()["out.weight"]),
         "one_tensor": torch.equal(sd["out.weight"], sd["front.0.weight"]),
         "owners": sorted(
-            type(w.module).__name__
+            w.module.__class__.__name__
             for w in model.modules()
             if isinstance(w, FSDP)
             and any(n in ("front.0.weight", "out.weight") for h in w.handles for n in h.meta.fqns)
