@@ -73,16 +73,15 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def example(session: nox.Session) -> None:
-    """A short two-rank run of the GPT example."""
+    """A short two-rank run of the GPT example, into out/nox_example (replaced at every run)."""
     _install(session, "examples")
-    session.run(
-        "torchrun", "--standalone", "--nproc_per_node=2", "examples/train_gpt.py", "--max-iters", "20"
-    )
+    args = ["--max-iters", "20", "--out-dir", "out/nox_example", "--overwrite"]
+    session.run("torchrun", "--standalone", "--nproc_per_node=2", "-m", "examples.train_gpt", *args)
 
 
 @nox.session(python=PYTHON)
 def benchmark(session: nox.Session) -> None:
-    """benchmarks/peers.py: this library against torch FSDP2, torch DDP and no communication.
+    """benchmarks.peers: this library against torch FSDP2, torch DDP and no communication.
 
     Two ranks by default; on a GPU machine run ``NPROC_PER_NODE=1 nox -s benchmark`` (world size 1,
     adds fairscale's FSDP). Arguments after ``--`` go to the script (``--sizes``, ``--rounds``, ``--out``).
@@ -91,7 +90,7 @@ def benchmark(session: nox.Session) -> None:
     session.install("fairscale==0.4.13")  # the GPU run compares with it
     nproc = os.environ.get("NPROC_PER_NODE", "2")
     session.run(
-        "torchrun", "--standalone", f"--nproc_per_node={nproc}", "benchmarks/peers.py", *session.posargs
+        "torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "benchmarks.peers", *session.posargs
     )
 
 

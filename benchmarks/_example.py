@@ -1,27 +1,14 @@
-"""Shared by the benchmark scripts: the example's GPT, imported from examples/train_gpt.py."""
+"""Shared by the benchmark scripts that train the example's GPT (``examples.gpt.GPT``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_example() -> Any:
-    """examples/train_gpt.py as a module (its ``GPT``), without running it."""
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def add_gpt_args(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """torch.compile of FSDP on the example's GPT: step time of the compiled wrapped model against the
 eager one, beside the same pair for the unwrapped local model (no communication).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/compile.py [--backend inductor] [--rounds 12]
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.compile [--backend inductor] [--rounds 12]
 
 All four variants are built in the same rank processes and run in interleaved rounds with a barrier
 around every step. Reported: median step times, the median paired ratios compiled / eager for
@@ -15,7 +15,6 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import add_gpt_args, load_example, timed_step, wrap_blocks  # noqa: E402
+from benchmarks._example import add_gpt_args, timed_step, wrap_blocks
+from examples.gpt import GPT
 
 
 def main() -> None:
@@ -40,10 +37,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # one core per rank on a 2-core machine, as the other benchmarks
     rank = dist.get_rank()
-    example = load_example()
     vocab = 101
     torch.manual_seed(0)
-    base = example.GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)
+    base = GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)
     local, ours_eager, ours_compiled = (
         copy.deepcopy(base),
         wrap_blocks(copy.deepcopy(base)),

@@ -7,9 +7,9 @@ DDP; the report gives their medians. It also counts all-reduce calls per step: o
 CommStats and a patch of ``torch.distributed.all_reduce``, torch DDP through a counting comm hook
 on a separate, untimed copy (a Python hook would slow the timed one down).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_vs_torch.py --out ddp_vs_torch.json
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.ddp_vs_torch --out ddp_vs_torch.json
 
-Model: the GPT of examples/train_gpt.py (defaults: 4 layers x 128 wide, context 64, 16 sequences
+Model: the GPT of examples/gpt.py (defaults: 4 layers x 128 wide, context 64, 16 sequences
 per rank), on random character ids. One step = forward, backward, AdamW step, zero_grad.
 """
 
@@ -20,7 +20,6 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,13 +31,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
-from train_gpt import GPT  # noqa: E402  (the example's model, unchanged)
-
-from fsdp import DistributedDataParallel  # noqa: E402
-from fsdp.collectives import CollectiveKind  # noqa: E402
+from examples.gpt import GPT
+from fsdp import DistributedDataParallel
+from fsdp.collectives import CollectiveKind
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """Peak tensor memory of generating through the wrapper against ``summon_full_params`` + generate.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/generate_memory.py [--size 35M] \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.generate_memory [--size 35M] \
         [--new-tokens 20] [--out out/generate_memory]
 
 The example's GPT (one FSDP unit per block plus the root, ``FULL_SHARD``, fp32) gets a ``generate``
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -34,12 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example, wrap_blocks  # noqa: E402
-
-SIZES = {"7M": (4, 384, 6), "35M": (11, 512, 8)}  # name -> (n_layer, n_embd, n_head), as benchmarks/peers.py
+from benchmarks._example import wrap_blocks
+from benchmarks.peers import SIZES
+from examples.gpt import GPT
 
 
 def parse_args() -> argparse.Namespace:
@@ -103,10 +99,9 @@ def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    example = load_example()
     n_layer, n_embd, n_head = SIZES[args.size]
     torch.manual_seed(args.seed)
-    base = with_generate(example.GPT)(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0).eval()
+    base = with_generate(GPT)(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0).eval()
     n_params = sum(p.numel() for p in base.parameters())
     model = wrap_blocks(base)
     memory = model.memory_stats()

@@ -1,6 +1,6 @@
 """fp32 vs bf16 mixed precision FSDP on the example's GPT: step time and bytes all-gathered per step.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/mixed_precision.py [--rounds 20] [--out out/mp.json]
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.mixed_precision [--rounds 20] [--out out/mp.json]
 
 Both variants are built in the same rank processes and run in interleaved rounds (fp32, bf16,
 fp32, bf16, ... with a barrier around every step), because separate runs on a shared 2-core machine
@@ -15,7 +15,6 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import add_gpt_args, load_example, timed_step, wrap_blocks  # noqa: E402
+from benchmarks._example import add_gpt_args, timed_step, wrap_blocks
+from examples.gpt import GPT
 
 
 def main() -> None:
@@ -39,10 +36,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    example = load_example()
     vocab = 101
     torch.manual_seed(0)
-    base = example.GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)
+    base = GPT(vocab, args.block_size, args.n_layer, args.n_embd, 4, 0.0)
     variants = {
         "fp32": wrap_blocks(copy.deepcopy(base)),
         "bf16": wrap_blocks(copy.deepcopy(base), mixed_precision=True, compute_dtype=torch.bfloat16),

@@ -1,6 +1,6 @@
 """This library against its peers on the example's GPT: step-time ratios, peak memory, bytes per step.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/peers.py [--sizes 7M,35M] [--rounds N] \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.peers [--sizes 7M,35M] [--rounds N] \
         [--out out/peers]
 
 Variants, all built in the same rank processes from the same initial weights, trained on the same
@@ -49,7 +49,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -63,13 +62,11 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example  # noqa: E402
+from examples.gpt import GPT
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import ShardingStrategy, get_fsdp_instances
 
-from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
-from fsdp import ShardingStrategy, get_fsdp_instances  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # name -> (n_layer, n_embd, n_head); parameter counts at vocab 96, context 64 are in the report
 SIZES: dict[str, tuple[int, int, int]] = {
@@ -421,9 +418,7 @@ def comm_report(v: Variant, stats: dict[str, Any], n_params: int, world: int) ->
 
 
 # ------------------------------------------------------------------------------------------ one size
-def run_size(
-    size: str, args: argparse.Namespace, example: Any, device: torch.device, cuda: bool
-) -> dict[str, Any]:
+def run_size(size: str, args: argparse.Namespace, device: torch.device, cuda: bool) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     n_layer, n_embd, n_head = SIZES[size]
     phases: dict[str, float] = {}
@@ -436,7 +431,7 @@ def run_size(
         t_phase = now
 
     torch.manual_seed(args.seed)
-    base = example.GPT(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0).to(device)
+    base = GPT(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0).to(device)
     n_params = sum(p.numel() for p in base.parameters())
     build = builders(device, cuda, args.fairscale)
     dropped: dict[str, str] = {}  # optional peer -> why it was left out
@@ -757,7 +752,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:  # plain `python benchmarks/peers.py`: one rank
+    if "RANK" not in os.environ:  # plain `python -m benchmarks.peers`: one rank
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511"
         )
@@ -779,9 +774,8 @@ def main() -> None:
         args.batch_size = CUDA_BATCH if cuda else CPU_BATCH
     if args.rounds < 1 or args.warmup < 1:
         raise SystemExit("--rounds and --warmup must be at least 1")
-    example = load_example()
     t0 = time.perf_counter()
-    results = [run_size(s, args, example, device, cuda) for s in sizes]
+    results = [run_size(s, args, device, cuda) for s in sizes]
     if dist.get_rank() == 0:
         machine = (
             f"{torch.cuda.get_device_name(device)}, nccl"

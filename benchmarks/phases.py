@@ -1,6 +1,6 @@
 """Where a training step's time goes: forward, backward and optimizer, per variant, on the CPU.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/phases.py [--size 35M] [--rounds 5] \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.phases [--size 35M] [--rounds 5] \
         [--warm 1] [--variants ours_full,ddp,local,fsdp2] [--out out/phases]
 
 For each phase of a step it reports the wall time, the CPU time of the whole rank process (every
@@ -25,7 +25,6 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers
-from _example import load_example
+from benchmarks import peers
+from examples.gpt import GPT
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -82,10 +80,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = dist.get_rank()
-    ex = load_example()
     n_layer, n_embd, n_head = peers.SIZES[args.size]
     torch.manual_seed(1337)
-    base = ex.GPT(96, 64, n_layer, n_embd, n_head, 0.0)
+    base = GPT(96, 64, n_layer, n_embd, n_head, 0.0)
     build = peers.builders(torch.device("cpu"), cuda=False)
     build["ours_full_nofp"] = lambda m: peers.Variant(
         "ours_full_nofp",

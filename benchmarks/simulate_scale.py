@@ -1,6 +1,6 @@
 """Simulate FSDP at 8 to 1024 ranks in one process: per-rank memory of a multi-billion GPT, host bookkeeping.
 
-    python benchmarks/simulate_scale.py [--out out/simulate_scale.json] [--model 3b|7b] [--quick]
+    python -m benchmarks.simulate_scale [--out out/simulate_scale.json] [--model 3b|7b] [--quick]
 
 torch's fake process group (backend "fake", ``FakeStore``) pretends to be rank 0 of N ranks: every
 collective returns at once without communicating (all-gather repeats the local shard N times,
@@ -40,7 +40,6 @@ import copy
 import gc
 import json
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -54,14 +53,10 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example  # noqa: E402
-
-from fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
-from fsdp import get_fsdp_instances  # noqa: E402
-from fsdp.sharding import chunk_numel, padded_numel  # noqa: E402
+from examples.gpt import GPT
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import get_fsdp_instances
+from fsdp.sharding import chunk_numel, padded_numel
 
 FP32 = 4  # bytes per element of parameters and gradients (fp32 training)
 ADAM = 8  # bytes per parameter of AdamW state: exp_avg + exp_avg_sq in fp32
@@ -143,9 +138,9 @@ def param_init(kind: str) -> Callable[[nn.Module], None]:
     return init
 
 
-def meta_gpt(example: Any, cfg: GPTConfig, n_layer: int | None = None) -> nn.Module:
+def meta_gpt(cfg: GPTConfig, n_layer: int | None = None) -> nn.Module:
     with torch.device("meta"):
-        return example.GPT(
+        return GPT(
             cfg.vocab, cfg.block_size, n_layer if n_layer else cfg.n_layer, cfg.n_embd, cfg.n_head, 0.0
         )
 
@@ -235,9 +230,9 @@ def reset_peak_rss() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ 1. memory
-def memory_at(example: Any, cfg: GPTConfig, world_size: int, init: str) -> dict[str, Any]:
+def memory_at(cfg: GPTConfig, world_size: int, init: str) -> dict[str, Any]:
     """Wrap the whole model at ``world_size`` (deferred init) and count what rank 0 holds."""
-    model = meta_gpt(example, cfg)
+    model = meta_gpt(cfg)
     numels = unit_numels(model)
     exp = expected(numels, world_size)
     gc.collect()
@@ -266,9 +261,9 @@ def memory_at(example: Any, cfg: GPTConfig, world_size: int, init: str) -> dict[
 
 
 # ------------------------------------------------------------------------------------------ 2. step
-def step_at(example: Any, cfg: GPTConfig, world_size: int, n_layer: int, tokens: int) -> dict[str, Any]:
+def step_at(cfg: GPTConfig, world_size: int, n_layer: int, tokens: int) -> dict[str, Any]:
     """One real AdamW training step of the first ``n_layer`` blocks (0: all) at ``world_size``."""
-    model = meta_gpt(example, cfg, n_layer or None)
+    model = meta_gpt(cfg, n_layer or None)
     numels = unit_numels(model)
     exp = expected(numels, world_size)
     root = wrap_gpt(model, param_init("normal"))
@@ -325,7 +320,7 @@ def step_at(example: Any, cfg: GPTConfig, world_size: int, n_layer: int, tokens:
 
 # ------------------------------------------------------------------------------------------ 3. bookkeeping
 def bookkeeping(
-    example: Any, units: list[int], world_size: int, width: int, tokens: int, rounds: int, warmup: int
+    units: list[int], world_size: int, width: int, tokens: int, rounds: int, warmup: int
 ) -> list[dict[str, Any]]:
     """Host time of forward + backward per wrapped unit: FSDP minus the same model unwrapped."""
     vocab, heads = 64, 2
@@ -333,7 +328,7 @@ def bookkeeping(
     with fake_world(world_size):
         for n in units:
             torch.manual_seed(0)
-            plain = example.GPT(vocab, tokens, n, width, heads, 0.0)
+            plain = GPT(vocab, tokens, n, width, heads, 0.0)
             wrapped = wrap_gpt(copy.deepcopy(plain), None)
             check_groups(wrapped, world_size)
             variants[n] = (plain, wrapped)
@@ -509,8 +504,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     step_sizes = [int(s) for s in args.step_world_sizes.split(",") if s]
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    example = load_example()
-    numels = unit_numels(meta_gpt(example, cfg))
+    numels = unit_numels(meta_gpt(cfg))
     result: dict[str, Any] = {
         "config": {
             **asdict(cfg),
@@ -526,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for n in sizes:
             with fake_world(n):
-                row = memory_at(example, cfg, n, args.init)
+                row = memory_at(cfg, n, args.init)
             result["memory"].append(row)
             print(
                 f"N={n}: {_mib(row['measured_param_bytes'])} of parameters per rank, "
@@ -535,13 +529,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         for n in step_sizes:
             with fake_world(n):
-                s = step_at(example, cfg, n, args.step_layers, args.step_tokens)
+                s = step_at(cfg, n, args.step_layers, args.step_tokens)
             result["steps"].append(s)
             print(f"N={n}: step of {s['n_layer']} blocks, peak {_mib(s['peak_tracked_bytes'])}", flush=True)
         units = [int(u) for u in args.units.split(",") if u]
         if units:  # --units "" skips the host-time section
             rows = bookkeeping(
-                example,
                 units,
                 args.bookkeeping_world_size,
                 args.bookkeeping_width,

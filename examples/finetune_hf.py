@@ -15,12 +15,14 @@ complete one, at any number of ranks. At the end: a loss plot, the model in ``sa
 form, and sample generations through the wrapper (HF's ``generate``; each unit is gathered for its
 call and freed after, never the whole model).
 
-Launch (CPU with gloo by default; NCCL and one GPU per rank when CUDA is available):
+Launch from the repository root (CPU ranks with gloo; NCCL and one GPU per rank when CUDA is
+available):
 
-    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py
-    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py --resume --max-iters 300
-    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py --model-dir out/hf/model \\
+    torchrun --standalone --nproc_per_node=2 -m examples.finetune_hf
+    torchrun --standalone --nproc_per_node=2 -m examples.finetune_hf --resume --max-iters 300
+    torchrun --standalone --nproc_per_node=2 -m examples.finetune_hf --model-dir out/hf/model \\
         --out-dir out/hf2
+    python3 -m examples.finetune_hf          # one rank, no torchrun needed
 
 Needs ``pip install -e ".[examples,hf]"`` (tqdm, matplotlib, transformers).
 """
@@ -44,7 +46,9 @@ from typing import Any
 # --------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="python3 -m examples.finetune_hf",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     # model
     p.add_argument(
@@ -83,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=int, default=50, help="evaluate every N steps")
     p.add_argument("--eval-iters", type=int, default=4, help="batches per split and rank per evaluation")
     # data, sampling, output
-    p.add_argument("--corpus-bytes", type=int, default=1_000_000, help="bytes of stdlib source to read")
+    p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib source to read")
     p.add_argument("--prompt", type=str, default="def ", help="prompt of the sample generations")
     p.add_argument("--samples", type=int, default=2, help="sample generations at the end (0: none)")
     p.add_argument("--sample-tokens", type=int, default=60, help="tokens per sample generation")
@@ -117,18 +121,6 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def load_corpus(max_bytes: int) -> str:
-    # Sorted file order: the same text (and so the same batches) on every rank, with no communication.
-    stdlib = Path(os.__file__).parent
-    parts, n = [], 0
-    for path in sorted(stdlib.glob("*.py")):
-        parts.append(path.read_text(encoding="utf-8", errors="replace"))
-        n += len(parts[-1])
-        if n >= max_bytes:
-            break
-    return "".join(parts)[:max_bytes]
 
 
 def get_batch(data: Any, batch_size: int, block_size: int, seed: int) -> Any:
@@ -196,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
     from tqdm import tqdm
 
-    # Make the library importable from a plain checkout (no `pip install -e .` needed).
+    # the checkout's fsdp and examples packages, also when started as a file path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from examples.data import load_corpus  # (the GPT example's: the standard library's source)
     from fsdp import FullyShardedDataParallel as FSDP
     from fsdp import (
         MixedPrecision,
@@ -218,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer: Any = ByteTokenizer()
     if args.model_dir is not None and any(args.model_dir.glob("tokenizer*")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
-    text = load_corpus(args.corpus_bytes)
+    text = load_corpus(args.corpus_chars)
     data = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     n_train = int(0.9 * len(data))
     train_data, val_data = data[:n_train], data[n_train:]  # the tail of the corpus is held out
@@ -229,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if model.get_input_embeddings().num_embeddings < tokenizer.vocab_size:
         raise SystemExit(f"the model's vocabulary is smaller than the tokenizer's ({tokenizer.vocab_size})")
     n_params = sum(p.numel() for p in model.parameters())  # (the tied head counted once)
+    model_name = type(model).__name__
     model = model.to(device)
     # One unit per block the model declares; bf16 compute with fp32 master weights. The fp32 gradient
     # reduction keeps the small gradients that bf16 would round away.
@@ -295,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if is_main:
         print(
-            f"model: {type(model.module).__name__}, {n_params / 1e6:.2f}M parameters, {units - 1} blocks as units, "
+            f"model: {model_name}, {n_params / 1e6:.2f}M parameters, {units - 1} blocks as units, "
             f"{args.dtype}, world size {world_size} on {device.type} ({dist.get_backend()}); corpus "
             f"{len(data):,} tokens"
         )
@@ -353,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         memory = model.memory_stats()
         summary = {
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "model": type(model.module).__name__,
+            "model": model_name,
             "params": n_params,
             "units": units,
             "world_size": world_size,

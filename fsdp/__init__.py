@@ -19,7 +19,7 @@ from fsdp.api import (
     StateDictType,
     TrainingState,
 )
-from fsdp.checkpoint import checkpoint_wrapper
+from fsdp.checkpoint import checkpoint_wrapper, disable_checkpointing
 from fsdp.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.data_parallel import DistributedDataParallel
 from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
@@ -62,6 +62,7 @@ __all__ = [
     "checkpoint_wrapper",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",
+    "disable_checkpointing",
     "enable_wrap",
     "get_fsdp_instances",
     "lambda_auto_wrap_policy",

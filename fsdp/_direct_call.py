@@ -17,7 +17,10 @@ after the entry module's call runs the wrapper's forward epilogue: it reshards a
 hooks the outputs for backward, so training through these calls works as through the wrapper.
 Only the wrappers whose regions a call enters are gathered, and each only for that call: inner
 units gather in their own forwards as usual. A call of the entry module inside itself (recursion)
-is counted, and only the outermost one ends the forward. Reading ``layer.weight`` outside any call
+is counted, and only the outermost one ends the forward. A module wrapped again while its first
+wrapper lives (inference after training) carries the hooks of both; a hook does nothing while
+another wrapper hooked on the module is in a step, so the wrapper that runs the module (or, called
+directly, the newer one, whose hook comes first) gathers. Reading ``layer.weight`` outside any call
 still meets the placeholder's error: nothing is gathered for a read.
 
 The hooks hold their wrapper weakly (the module is the wrapper's child: a strong reference would be
@@ -69,6 +72,8 @@ class DirectCallHooks:
             return None
         if w.training_state is not TrainingState.IDLE:  # its forward, a recomputation, a summon
             return None
+        if self._another_wrapper_runs(module):  # a module wrapped again: the newer wrapper called it
+            return None
         args, kwargs = w._enter_direct_call(module, args, kwargs)
         # the entry module's end: a forward hook for this call only (torch runs the hooks registered
         # by the time forward returns, and an always-called one when the call raises), so modules carry
@@ -76,6 +81,18 @@ class DirectCallHooks:
         assert w._direct_call is not None
         w._direct_call.end = module.register_forward_hook(self.after, with_kwargs=True, always_call=True)
         return args, kwargs
+
+    def _another_wrapper_runs(self, module: nn.Module) -> bool:
+        """Whether another live wrapper hooked on ``module`` is in a forward (or any step) now: a
+        module wrapped a second time (fairscale's test_fsdp_multiple_wrapping) carries the hooks of
+        both wrappers, and only the one running it gathers. Checked on the rare entry path only."""
+        for hook in module._forward_pre_hooks.values():
+            other = getattr(hook, "__self__", None)
+            if isinstance(other, DirectCallHooks) and other is not self:
+                w = other._wrapper()
+                if w is not None and w.training_state is not TrainingState.IDLE:
+                    return True
+        return False
 
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         w = self._wrapper()
@@ -100,11 +117,14 @@ class DirectCallHooks:
 class OpenForward:
     """A forward of a wrapper between its start and its end (``_begin_forward`` / ``_end_forward``)."""
 
-    __slots__ = ("range", "token")
+    __slots__ = ("buffers", "range", "token")
 
     def __init__(self, token: GraphToken | None, range: contextlib.AbstractContextManager[Any]) -> None:
         self.token = token  # the forward's GraphToken (None under no_grad: no backward follows)
         self.range = range  # the profiler range FSDP::forward, entered
+        self.buffers: contextlib.AbstractContextManager[Any] | None = (
+            None  # buffers in full precision, entered
+        )
 
 
 class DirectCall:
@@ -152,10 +172,7 @@ class DirectCallMethods:
     _ignored: IgnoredStates
     _direct_call: DirectCall | None = None  # the forward entered past the wrapper, while it runs
     _direct_hooks: list[RemovableHandle]
-
-    @property
-    def module(self) -> nn.Module:
-        raise NotImplementedError
+    _fsdp_wrapped_module: nn.Module
 
     def _lazy_init(self) -> None:
         raise NotImplementedError
@@ -174,7 +191,7 @@ class DirectCallMethods:
         owning = {id(m) for h in self.handles for m in (*h.modules, *h.shared_modules)}
         hooks = DirectCallHooks(self)
         self._direct_hooks = []
-        for m in region_modules(self.module, owning, is_wrapper, self._ignored):
+        for m in region_modules(self._fsdp_wrapped_module, owning, is_wrapper, self._ignored):
             # first among the pre-hooks, so the parameters are real for any hook registered before
             self._direct_hooks.append(
                 m.register_forward_pre_hook(hooks.before, prepend=True, with_kwargs=True)

@@ -6,7 +6,9 @@ read-only properties over :class:`~fsdp.api.FSDPConfig`, mixed into the wrapper.
 wrapped module has an attribute of the same name (``nn.LSTM.flatten_parameters``, a model's own
 ``verbose``), that attribute wins, as it did when lookups fell through to the module. Also
 fairscale's ``named_parameters()``: plain names inside ``summon_full_params`` and for parameters
-that are not flattened; and the state fairscale keeps in attributes of its own, read from the
+that are not flattened, and fairscale's (or torch FSDP1's) names of the flat parameters outside it;
+``model.module`` as fairscale's ``FlattenParamsWrapper`` level for a wrapper built fairscale's way
+(:class:`FlattenParamsLevel`); and the state fairscale keeps in attributes of its own, read from the
 handles and the root's context (``has_full_params``, ``_require_backward_grad_sync``), with its
 debugging aid ``_print_r0`` (logged, never printed).
 """
@@ -23,13 +25,103 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import allocated_bytes
-from fsdp.api import FSDPConfig, ShardingStrategy, TrainingState
-from fsdp.consistency import plain_name
+from fsdp.api import CPUOffload, FSDPConfig, MixedPrecision, ShardingStrategy, TrainingState
+from fsdp.consistency import WRAPPED, plain_name
+from fsdp.shared_params import check_shared_param
 
-__all__ = ["FairscaleAttributes"]
+__all__ = ["FairscaleAttributes", "FlattenParamsLevel", "built_torch_style", "is_expert"]
 
 log = logging.getLogger(__name__)
 _GB = 1024**3
+
+# the constructor's torch-FSDP-only arguments and their defaults: a wrapper given any other value was
+# built torch's way (a MixedPrecision or CPUOffload object in place of fairscale's bools counts too)
+_TORCH_ONLY = {
+    "sharding_strategy": None,
+    "param_init_fn": None,
+    "backward_prefetch": True,
+    "forward_prefetch": None,
+    "limit_all_gathers": True,
+    "auto_wrap_policy": None,
+    "sync_module_states": False,
+    "device_id": None,
+    "use_orig_params": False,
+    "ignored_modules": None,
+    "ignored_states": None,
+}
+
+
+def built_torch_style(options: dict[str, Any]) -> bool:
+    """Whether the constructor's arguments (``options``, by name) are torch FSDP1's rather than
+    fairscale's: a torch-only argument given, or torch's option objects in place of fairscale's flags.
+    Where the two libraries differ (``model.module``, flat parameter names) the wrapper follows the
+    library it was built for."""
+    if any(options.get(k, d) is not d and options.get(k, d) != d for k, d in _TORCH_ONLY.items()):
+        return True
+    return not all(isinstance(options.get(k, False), bool) for k in ("mixed_precision", "cpu_offload"))
+
+
+class FlattenParamsLevel:
+    """``model.module`` of a wrapper built fairscale's way: fairscale's ``FlattenParamsWrapper``
+    level, whose ``.module`` is the wrapped module (fairseq's ``unwrapped_module`` reads
+    ``model.module.module``). Everything else is the wrapped module's: attributes, calls, indexing,
+    and ``isinstance`` (its ``__class__`` is the module's). Not a module of the tree: the wrapper
+    holds the module directly, and this object only stands for the level fairscale had."""
+
+    __slots__ = ("__weakref__", "module")
+    module: nn.Module
+
+    def __init__(self, module: nn.Module) -> None:
+        object.__setattr__(self, "module", module)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(model.module, nn.Module / MyModel) holds
+        return type(object.__getattribute__(self, "module"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "module"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "module":
+            raise AttributeError(
+                "FlattenParamsWrapper.module cannot be replaced; wrap the new module instead"
+            )
+        setattr(self.module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getitem__(self, key: Any) -> Any:
+        module: Any = self.module
+        return module[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        module: Any = self.module
+        module[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        module: Any = self.module
+        del module[key]
+
+    def __len__(self) -> int:
+        module: Any = self.module
+        return len(module)
+
+    def __iter__(self) -> Iterator[Any]:
+        module: Any = self.module
+        return iter(module)  # type: ignore[no-any-return]
+
+    def __dir__(self) -> list[str]:
+        return sorted({"module", *dir(self.module)})
+
+    def __repr__(self) -> str:
+        return f"FlattenParamsWrapper({self.module!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # (pickled or copied alone: the module it stands for)
+        return self.module.__reduce_ex__(protocol)
 
 
 def _option(read: Callable[[Any], Any]) -> property:
@@ -59,14 +151,30 @@ def _field(name: str, path: str) -> property:
     return _option(read)
 
 
+def is_expert(wrapper: Any, root: Any) -> bool:
+    """Whether ``wrapper`` is an expert under ``root`` as fairscale defines one: its process group
+    holds one rank while the root trains over more, so each rank holds other parameters there."""
+    mine, roots = wrapper.fsdp_config.comm, root.fsdp_config.comm
+    return (
+        wrapper is not root
+        and mine.dp_world_size == 1
+        and roots.dp_world_size > 1
+        and mine.process_group is not roots.process_group
+    )
+
+
 class FairscaleAttributes:
     fsdp_config: FSDPConfig
+    _torch_options: Any  # fsdp._torch_compat.TorchOptions: torch's view of the options, if built its way
     handles: list[Any]
     training_state: TrainingState
     _reshard_after_forward: bool
     _wrappers: Callable[[], list[Any]]
     _is_root: bool | None
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
+    _torch_style: bool  # built with torch FSDP1's arguments (see built_torch_style)
+    _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
+    _bind: Callable[[Any], None]  # ModuleOps's
     # provided by the wrapper (the root's context, None before lazy init) and by StatsMethods
     _ctx: Any
     memory_stats: Callable[[], dict[str, int]]
@@ -111,6 +219,13 @@ class FairscaleAttributes:
     def process_group(self) -> dist.ProcessGroup:
         return self.fsdp_config.comm.process_group
 
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup) -> None:
+        """fairscale's idiom after unpickling (or building with a stand-in of several ranks): give every
+        wrapper the real group, ``for m in model.modules(): m.process_group = group``. The group must
+        hold this process where the shards were built for; reductions share it."""
+        self._bind(group)
+
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.fsdp_config.sharding.strategy
@@ -127,7 +242,12 @@ class FairscaleAttributes:
     def move_grads_to_cpu(self) -> bool:
         return self.fsdp_config.offload.grads_to_cpu
 
-    cpu_offload = move_params_to_cpu  # fairscale's older name
+    @property
+    def cpu_offload(self) -> bool | CPUOffload:
+        """fairscale's older name of :attr:`move_params_to_cpu`; on a wrapper built torch's way,
+        torch's ``CPUOffload`` object (``model.cpu_offload.offload_params``)."""
+        shown = self._torch_options.cpu_offload
+        return self.move_params_to_cpu if shown is None else shown
 
     # fairscale's resolved options, as stored
     process_group_reduce_scatter = _field("process_group_reduce_scatter", "comm.process_group_reduce_scatter")
@@ -139,7 +259,15 @@ class FairscaleAttributes:
     gradient_predivide_factor = _field("gradient_predivide_factor", "comm.gradient_predivide_factor")
     gradient_postdivide_factor = _field("gradient_postdivide_factor", "comm.gradient_postdivide_factor")
     state_dict_on_rank_0_only = _field("state_dict_on_rank_0_only", "state_dict.state_dict_on_rank_0_only")
-    no_broadcast_optim_state = _field("no_broadcast_optim_state", "no_broadcast_optim_state")
+
+    @_option
+    def no_broadcast_optim_state(self) -> bool:
+        """fairscale's flag: given to the constructor, or set as fairscale's root sets it at its first
+        forward, for a wrapper whose process group holds one rank inside a root over more (an expert)."""
+        ctx = self._ctx if self._is_root is False else None
+        root = ctx.wrappers[0] if ctx is not None and ctx.wrappers else None
+        return self.fsdp_config.no_broadcast_optim_state or (root is not None and is_expert(self, root))
+
     allow_reset_parameters = _field("allow_reset_parameters", "allow_reset_parameters")
     verbose = _field("verbose", "verbose")
     # torch FSDP's
@@ -147,9 +275,12 @@ class FairscaleAttributes:
     limit_all_gathers = _field("limit_all_gathers", "schedule.limit_all_gathers")
 
     @_option
-    def mixed_precision(self) -> bool:
-        """Whether parameters are cast for the all-gather and compute."""
-        return self.fsdp_config.precision.mixed
+    def mixed_precision(self) -> bool | MixedPrecision:
+        """Whether parameters are cast for the all-gather and compute (fairscale's flag); on a
+        wrapper built torch's way, torch's ``MixedPrecision`` object (``MixedPrecision()`` when none
+        was given), which is true when it casts the parameters."""
+        shown = self._torch_options.mixed_precision
+        return self.fsdp_config.precision.mixed if shown is None else shown
 
     @_option
     def compute_dtype(self) -> torch.dtype:
@@ -249,8 +380,15 @@ class FairscaleAttributes:
 
     def non_shared_params(self) -> list[nn.Parameter]:
         """fairscale: the parameters not shared with another wrapper; here every one of ``params``
-        (a parameter tied across wrappers is refused at construction)."""
+        (a parameter tied across wrappers is owned by the innermost wrapper around all its users)."""
         return self.params
+
+    def append_shared_param(self, p: torch.Tensor) -> None:
+        """fairscale's declaration that this wrapper's module uses ``p``, a parameter of another
+        wrapper (or the placeholder that wrapper's module shows for it). Ties across wrappers are
+        found without it (see [Note: parameters shared across wrappers] in
+        ``fsdp/shared_params.py``): this checks that the module does use ``p``, else ``ValueError``."""
+        check_shared_param(self, p)
 
     @_option
     def numel_padded_per_param(self) -> list[int]:
@@ -268,23 +406,67 @@ class FairscaleAttributes:
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters`` with fairscale's names: inside ``summon_full_params`` the
         original parameters under the plain module's names (no ``_fsdp_wrapped_module``); with
-        ``flatten_parameters=False`` each parameter's shard under its original name."""
+        ``flatten_parameters=False`` each parameter's shard under its original name. Outside, a flat
+        parameter goes by the name its library gives it: fairscale's
+        ``_fsdp_wrapped_module.flat_param_0`` (an inner wrapper's under
+        ``_fsdp_wrapped_module._fpw_module.<path>.``), or torch FSDP1's
+        ``_fsdp_wrapped_module._flat_param`` for a root built torch's way."""
         plain = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        wrappers = self._wrappers() if recurse else [self]
         unflat = {
             id(h.flat_param): h.meta.fqns[0]
-            for w in (self._wrappers() if recurse else [self])
+            for w in wrappers
             if not w.fsdp_config.sharding.flatten_parameters
             for h in w.handles
         }
+        flat = {id(h.flat_param): i for w in wrappers for i, h in enumerate(w.handles)}
         module: Any = self
-        for name, p in nn.Module.named_parameters(module, prefix, recurse, remove_duplicate):
+        named = nn.Module.named_parameters(module, prefix, recurse, remove_duplicate)
+        if unflat and not plain:  # each shard where its parameter was, in module order (as fairscale)
+            named = iter(sorted(named, key=self._module_order(prefix, unflat)))
+        for name, p in named:
             if id(p) in unflat:  # (also inside a rank0_only summon, on the ranks that show no full ones)
                 path = plain_name(name.rpartition(".")[0])
                 yield (f"{path}." if path else "") + unflat[id(p)], p
             elif plain:
                 yield plain_name(name), p
+            elif id(p) in flat:
+                yield self._flat_name(name.rpartition(".")[0], flat[id(p)]), p
             else:
                 yield name, p
+
+    def _module_order(self, prefix: str, unflat: dict[int, str]) -> Callable[[tuple[str, Any]], Any]:
+        """A sort key putting each of ``named_parameters()``'s entries where the unwrapped model has it:
+        the shard of an unflattened parameter at its module (in its registration order), anything
+        else registered on a wrapper (flat parameters) just before that wrapper's module's own."""
+        module: Any = self
+        position: dict[str, int] = {}
+        modules: dict[str, nn.Module] = {}
+        for i, (n, m) in enumerate(nn.Module.named_modules(module, prefix=prefix)):
+            position.setdefault(plain_name(n), i)
+            modules[plain_name(n)] = m
+        order = {id(m): names for w in self._wrappers() for m, names in w._module_param_order.items()}
+
+        def key(item: tuple[str, Any]) -> tuple[int, int]:
+            name, p = item
+            path = plain_name(name.rpartition(".")[0])
+            fqn = unflat.get(id(p))
+            if fqn is None:
+                return position.get(path, 0), -1
+            owner, _, attr = f"{path}.{fqn}".strip(".").rpartition(".")
+            names = order.get(id(modules.get(owner)), [])
+            return position.get(owner, 0), names.index(attr) if attr in names else len(names)
+
+        return key
+
+    def _flat_name(self, path: str, index: int) -> str:
+        """The name of flat parameter ``index`` of the wrapper at ``path`` (our module path, with
+        ``_fsdp_wrapped_module`` levels) in the library this root was built for."""
+        path = f"{path}." if path else ""
+        if self._torch_style:  # torch FSDP1 registers it on the wrapped module
+            return f"{path}{WRAPPED}._flat_param" + (f"_{index}" if index else "")
+        # fairscale: the FlattenParamsWrapper under each wrapper holds it, the module one level further
+        return path.replace(f"{WRAPPED}.", f"{WRAPPED}._fpw_module.") + f"{WRAPPED}.flat_param_{index}"
 
     def get_parameter(self, target: str) -> nn.Parameter:
         """``nn.Module.get_parameter``, also for the names :meth:`named_parameters` gives that are not

@@ -44,7 +44,7 @@ class StateDictMethods:
     def compute_device(self) -> torch.device:
         raise NotImplementedError
 
-    def _state_layout(self) -> Any:
+    def _state_layout(self, root: nn.Module | None = None) -> Any:
         """Where every original parameter and buffer of this wrapper tree lives (the wrapper's)."""
         raise NotImplementedError
 
@@ -94,7 +94,8 @@ class StateDictMethods:
         """Inside, ``state_dict()`` and ``load_state_dict()`` of every wrapper in ``module`` mean
         ``state_dict_type``; each wrapper's own setting comes back on exit. As in torch FSDP; a
         ``state_dict_config`` with ``offload_to_cpu`` / ``rank0_only`` (torch's
-        ``FullStateDictConfig``) applies to the full state dict."""
+        ``FullStateDictConfig``) applies to the full state dict. ``module`` may be any module: a
+        wrapper, a plain module holding wrappers, or one without any (then nothing changes)."""
         wrappers = _wrappers_in(module)
         before = [(w, w._state_dict_settings) for w in wrappers]
         StateDictMethods.set_state_dict_type(
@@ -115,7 +116,8 @@ class StateDictMethods:
     ) -> StateDictSettings:
         """Make ``state_dict()`` / ``load_state_dict()`` of every wrapper in ``module`` mean
         ``state_dict_type`` from now on; return the previous :class:`~fsdp.StateDictSettings` (of the
-        first wrapper), which ``FSDP.set_state_dict_type(module, *previous)`` restores."""
+        first wrapper; the default full state dict where ``module`` holds no wrapper), which
+        ``FSDP.set_state_dict_type(module, *previous)`` restores."""
         state_dict_type = from_torch_fsdp(state_dict_type)
         if not isinstance(state_dict_type, StateDictType):
             raise TypeError(
@@ -139,7 +141,19 @@ class StateDictMethods:
                     f"FullyShardedDataParallel.state_dict_type: rank0_only, and offload_to_cpu on a GPU, apply to "
                     f"FULL_STATE_DICT only, not {state_dict_type.name}"
                 )
-        previous = wrappers[0]._state_dict_settings
+        for config, suffix in (
+            (state_dict_config, "StateDictConfig"),
+            (optim_state_dict_config, "OptimStateDictConfig"),
+        ):
+            expected = f"{_KIND_PREFIX[state_dict_type]}{suffix}"
+            if config is not None and type(config).__name__ not in (expected, suffix):
+                raise TypeError(
+                    f"FullyShardedDataParallel.state_dict_type: {state_dict_type.name} takes a {expected}, got "
+                    f"{type(config).__name__}"
+                )
+        previous = (
+            wrappers[0]._state_dict_settings if wrappers else StateDictSettings(StateDictType.FULL_STATE_DICT)
+        )
         for w in wrappers:
             w._state_dict_settings = StateDictSettings(
                 state_dict_type, state_dict_config, optim_state_dict_config
@@ -148,8 +162,11 @@ class StateDictMethods:
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The :class:`~fsdp.StateDictSettings` of the wrappers in ``module``, which must all agree."""
-        settings = [w._state_dict_settings for w in _wrappers_in(module)]
+        """The :class:`~fsdp.StateDictSettings` of the wrappers in ``module``, which must all agree (the
+        default full state dict where it holds no wrapper)."""
+        settings = [w._state_dict_settings for w in _wrappers_in(module)] or [
+            StateDictSettings(StateDictType.FULL_STATE_DICT)
+        ]
         if any(other != settings[0] for other in settings[1:]):
             raise ValueError(
                 "FullyShardedDataParallel.get_state_dict_type: the wrappers in this module have different "
@@ -343,10 +360,16 @@ class StateDictMethods:
         self, optim: torch.optim.Optimizer, **ignored: Any
     ) -> dict[str, Any] | None:
         """The optimizer state per original parameter (a plain optimizer's state dict over the unwrapped
-        model, plus ``"param_names"``), on rank 0 only (``recipient_rank=r``: on rank r); None on the
-        other ranks. Collective. Other keyword arguments are ignored, as in fairscale."""
+        model, plus ``"param_names"`` and fairscale's ``"param_id_map"`` and ``"uncollected_local_ids"``,
+        readable by fairscale's ``get_shard_from_optim_state_dict``), on rank 0 only
+        (``recipient_rank=r``: on rank r); None on the other ranks. Collective. ``fairscale_form=False``
+        leaves fairscale's keys out (and ``step`` a tensor). Other keyword arguments are ignored, as in
+        fairscale."""
         recipient_rank = int(ignored.pop("recipient_rank", 0))
-        return optim_impl.gather_full_optim_state_dict(self._state_layout(), optim, recipient_rank)
+        fairscale_form = bool(ignored.pop("fairscale_form", True))
+        return optim_impl.gather_full_optim_state_dict(
+            self._state_layout(), optim, recipient_rank, fairscale_form=fairscale_form
+        )
 
     def get_shard_from_optim_state_dict(
         self, full_optim_state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None
@@ -373,10 +396,17 @@ def _config_options(config: Any) -> tuple[bool, bool]:
     return bool(getattr(config, "offload_to_cpu", False)), bool(getattr(config, "rank0_only", False))
 
 
+_KIND_PREFIX = {
+    StateDictType.FULL_STATE_DICT: "Full",
+    StateDictType.LOCAL_STATE_DICT: "Local",
+    StateDictType.SHARDED_STATE_DICT: "Sharded",
+}
+
+
 def _wrappers_in(module: nn.Module) -> list[StateDictMethods]:
-    wrappers: list[StateDictMethods] = [m for m in module.modules() if isinstance(m, StateDictMethods)]
-    if not wrappers:
-        raise ValueError(
-            f"FullyShardedDataParallel.state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel"
+    """Every wrapper in ``module`` (none for a plain module: torch's functions change nothing there)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"FullyShardedDataParallel.state_dict_type: `module` must be an nn.Module, got {type(module).__name__}"
         )
-    return wrappers
+    return [m for m in module.modules() if isinstance(m, StateDictMethods)]

@@ -29,6 +29,8 @@ class SummonMethods:
     fsdp_config: FSDPConfig
     _module_param_order: dict[nn.Module, list[str]]
     _parameters: dict[str, Any]
+    _fsdp_wrapped_module: nn.Module
+    _require_groups: Callable[[str], None]  # ModuleOps's
     _summon_rank0_only = False  # inside a summon_full_params(rank0_only=True)
 
     @property
@@ -97,6 +99,7 @@ class SummonMethods:
         wrappers = self._wrappers() if recurse else [self]
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
+        self._require_groups("summon_full_params()")
         show = not rank0_only or self.fsdp_config.comm.dp_rank == 0
         entered: list[SummonMethods] = []
         # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.
@@ -190,11 +193,22 @@ class SummonMethods:
             return nn.Module.apply(self, fn)  # type: ignore[arg-type, type-var]
 
     def reset_parameters(self) -> None:
-        """Re-initialize the wrapped module (only with ``allow_reset_parameters=True``)."""
+        """Re-initialize the wrapped module (only with ``allow_reset_parameters=True``) on its full
+        parameters: inside ``summon_full_params()`` (fairscale's way) on those shown, written back on
+        exit; outside, inside a summon of this wrapper of its own (collective)."""
         if not self.fsdp_config.allow_reset_parameters:
             raise RuntimeError(
                 "FullyShardedDataParallel: reset_parameters() after wrapping is not allowed; pass "
                 "allow_reset_parameters=True if the module's reset_parameters() is safe to run on full parameters"
             )
+        module: Any = self._fsdp_wrapped_module
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            if self._summon_rank0_only:
+                raise RuntimeError(
+                    "FullyShardedDataParallel: reset_parameters() inside summon_full_params(rank0_only=True): the other "
+                    "ranks hold no full parameters and nothing is written back; call it inside summon_full_params()"
+                )
+            module.reset_parameters()
+            return
         with self.summon_full_params(recurse=False):
-            self.module.reset_parameters()  # type: ignore[operator]
+            module.reset_parameters()

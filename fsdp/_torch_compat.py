@@ -1,24 +1,33 @@
-"""torch FSDP1's spellings on the wrapper: its option objects, constructor arguments and static methods.
+"""torch FSDP1's spellings at the wrapper's construction: its option objects and constructor arguments.
 
 Code written for ``torch.distributed.fsdp.FullyShardedDataParallel`` runs after changing the import
 of the wrapper alone: torch's own option objects are converted to ours
-(:func:`~fsdp.api.from_torch_fsdp`), ``device_id`` names the compute device, and the static
-optimizer-state methods (``optim_state_dict``, ``full_optim_state_dict``, ...) map onto the
-wrapper's fairscale-style ones. What cannot be honoured is refused with an error that says so.
+(:func:`~fsdp.api.from_torch_fsdp`), ``device_id`` names the compute device, ``ignored_modules`` /
+``ignored_states`` and ``auto_wrap_policy`` follow torch's rules, and a wrapper built torch's way
+shows torch's option objects as its attributes (:class:`TorchOptions`). The static whole-model
+methods are in ``fsdp/_torch_methods.py``. What cannot be honoured is refused with an error that
+says so.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fsdp.api import BackwardPrefetch, FSDPConfig, MixedPrecision, StateDictType, from_torch_fsdp
-from fsdp.consistency import CHECKPOINT_WRAPPED, plain_name
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    from_torch_fsdp,
+)
+from fsdp.consistency import plain_name
 from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.mixed_precision import cast_inputs
 from fsdp.nest import visit_tensors
@@ -26,10 +35,14 @@ from fsdp.topology import checked_device
 from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children
 
 __all__ = [
-    "TorchFSDPMethods",
+    "FULL_PREC_IN_EVAL",
+    "TorchOptions",
+    "adopt_attached",
+    "check_full_prec_in_eval",
     "own_precision_modules",
     "resolve_ignored",
     "torch_fsdp_options",
+    "torch_options_of",
     "without_own_precision",
     "wrap_children_with_policy",
 ]
@@ -84,6 +97,93 @@ def torch_fsdp_options(
     )
 
 
+FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"  # torch FSDP1's environment variable
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """What torch FSDP1's attributes of the same names show on a wrapper built torch's way.
+
+    ``mixed_precision`` / ``cpu_offload``: the option objects (``model.mixed_precision.param_dtype``,
+    ``model.cpu_offload.offload_params``), or ``None`` where fairscale's bool of that name is shown.
+    ``full_prec_in_eval``: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at construction (as torch reads it)."""
+
+    mixed_precision: MixedPrecision | None = None
+    cpu_offload: CPUOffload | None = None
+    full_prec_in_eval: bool = False
+
+
+_TORCH_ONLY_DEFAULTS = {  # torch-only constructor arguments and the default that says "not given"
+    "sharding_strategy": None,
+    "param_init_fn": None,
+    "auto_wrap_policy": None,
+    "device_id": None,
+    "ignored_modules": None,
+    "ignored_states": None,
+    "sync_module_states": False,
+    "use_orig_params": False,
+}
+
+
+def torch_options_of(options: Mapping[str, Any], offload_params: bool) -> TorchOptions:
+    """The :class:`TorchOptions` of a constructor call (``options``: its arguments as given).
+
+    A wrapper is built torch's way when it was given a torch option object (``MixedPrecision``,
+    ``CPUOffload``, ``BackwardPrefetch``), ``None`` where fairscale takes a bool, or any argument
+    fairscale does not have. Then ``mixed_precision`` and ``cpu_offload`` show torch's objects
+    (``MixedPrecision()`` / ``CPUOffload(offload_params)`` when none was given), except where a
+    fairscale bool was given for that option (``mixed_precision=True``)."""
+    mp, offload = options.get("mixed_precision"), options.get("cpu_offload")
+    prefetch = from_torch_fsdp(options.get("backward_prefetch"))
+    torch_way = (
+        mp is None
+        or offload is None
+        or isinstance(from_torch_fsdp(mp), MixedPrecision)
+        or isinstance(from_torch_fsdp(offload), CPUOffload)
+        or prefetch is None
+        or isinstance(prefetch, BackwardPrefetch)
+        or any(options.get(k, default) is not default for k, default in _TORCH_ONLY_DEFAULTS.items())
+    )
+    full_prec = os.environ.get(FULL_PREC_IN_EVAL, "") == "1"
+    if not torch_way:
+        return TorchOptions(full_prec_in_eval=full_prec)
+    mp_object = from_torch_fsdp(mp)
+    if not isinstance(mp_object, MixedPrecision):
+        mp_object = None if mp is True else MixedPrecision()
+    offload_object = from_torch_fsdp(offload)
+    if not isinstance(offload_object, CPUOffload):
+        offload_object = None if offload is True else CPUOffload(offload_params=offload_params)
+    return TorchOptions(mp_object, offload_object, full_prec)
+
+
+def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool, grad_enabled: bool) -> bool:
+    """Whether a forward runs in full precision under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` (torch's
+    switch): in eval mode, under mixed precision. With gradients enabled it does not (a backward
+    would reduce full-precision gradients where the compute dtype's are expected): warned once."""
+    if not (options.full_prec_in_eval and mixed and not training):
+        return False
+    if grad_enabled:
+        warnings.warn(
+            f"FullyShardedDataParallel: {FULL_PREC_IN_EVAL}=1 applies to eval-mode forwards without gradients; "
+            "this one runs with gradients enabled, in the compute dtype. Wrap evaluation in torch.no_grad()",
+            stacklevel=5,  # (the user's model(x): through forward and nn.Module's call)
+        )
+        return False
+    return True
+
+
+def check_full_prec_in_eval(wrappers: list[Any]) -> None:
+    """torch's rule: ``FSDP_USE_FULL_PREC_IN_EVAL`` (read when each wrapper is built) is one value for
+    the whole tree; a tree built partly with it and partly without is refused at the root's lazy init."""
+    with_it = [w for w in wrappers if w._torch_options.full_prec_in_eval]
+    if with_it and len(with_it) != len(wrappers):
+        raise ValueError(
+            f"FullyShardedDataParallel: {FULL_PREC_IN_EVAL}=1 was set when {len(with_it)} of the {len(wrappers)} "
+            "wrappers of this model were built and not for the others (torch expects one value for the tree); set "
+            "it before building the first wrapper"
+        )
+
+
 def _prefetch_flag(value: Any) -> tuple[bool, bool]:
     """``(backward_prefetch, backward_prefetch_post)`` of a bool, a ``BackwardPrefetch`` or ``None``."""
     if value is None:
@@ -104,8 +204,11 @@ def resolve_ignored(
     [Note: ignored modules] in fsdp/flat_param.py.
 
     ``ignored_states`` holds parameters or modules, not both; the two arguments exclude each other.
-    Every ignored module or parameter must be inside ``module``; a wrapper cannot be ignored nor sit
-    inside an ignored module. What an inner wrapper already ignores may be given again."""
+    As in torch, modules and parameters outside ``module`` are passed over silently (a module given
+    so and attached inside ``module`` after wrapping is ignored there: torch's skip idiom), as are
+    parameters that a wrapper already flattened; an ignored module may hold wrappers (they stay
+    managed, the rest of it is ignored). A wrapper, and ``module`` itself, cannot be ignored. What
+    an inner wrapper already ignores may be given again."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "FullyShardedDataParallel: pass either ignored_modules or ignored_states, not both (ignored_states "
@@ -146,7 +249,10 @@ def resolve_ignored(
         below = m if m is not module and is_wrapper(m) else above
         stack.extend((c, f"{path}.{n}" if path else n, below) for n, c in m._modules.items() if c is not None)
     roots = [x for x in items if isinstance(x, nn.Module)] if are_modules else []
-    kept_roots = [r for r in roots if not _ignored_by_inner(r, module, where, is_wrapper, arg)]
+    outside = [r for r in roots if id(r) not in where and not is_wrapper(r)]  # (torch: passed over)
+    kept_roots = [
+        r for r in roots if r not in outside and not _ignored_by_inner(r, module, where, is_wrapper, arg)
+    ]
     params = [x for x in items if isinstance(x, nn.Parameter)] if are_params else []
     held: dict[int, tuple[nn.Module, str]] = {}
     for m in module.modules():
@@ -154,23 +260,10 @@ def resolve_ignored(
             if p is not None:
                 held.setdefault(id(p), (m, n))
     kept_params = []
-    for p in params:
-        if id(p) not in held:
-            raise ValueError(
-                f"FullyShardedDataParallel: `ignored_states` holds a parameter of shape {tuple(p.shape)} that is not "
-                "a parameter of the wrapped module (or an inner wrapper already manages it); ignore only parameters "
-                "of the module, and pass them to the inner wrapper when it is built"
-            )
-        m, n = held[id(p)]
-        path, above = where[id(m)]
-        if is_wrapper(m):
-            raise ValueError(
-                f"FullyShardedDataParallel: `ignored_states` holds the flat parameter {n!r} of the wrapper at "
-                f"{path or '<the wrapped module>'!r}; ignore original parameters, before they are wrapped"
-            )
-        if above is None:
+    for p in params:  # (outside the module, or flattened by a wrapper already: passed over, as torch does)
+        if id(p) in held and not is_wrapper(held[id(p)][0]) and where[id(held[id(p)][0])][1] is None:
             kept_params.append(p)
-    return IgnoredStates(kept_roots, kept_params, module)
+    return IgnoredStates(kept_roots, kept_params, module, detached=outside)
 
 
 def _ignored_by_inner(
@@ -187,23 +280,11 @@ def _ignored_by_inner(
             f"FullyShardedDataParallel: `{arg}` holds the wrapped module itself ({name}); nothing would be left "
             "to shard. Do not wrap it, or ignore only some of its submodules"
         )
-    if id(root) not in where:
-        raise ValueError(
-            f"FullyShardedDataParallel: `{arg}` holds a {name} that is not inside the wrapped module "
-            f"{type(module).__name__}; ignore only submodules of the module being wrapped"
-        )
-    path, above = where[id(root)]
+    path, above = where.get(id(root), ("<outside the wrapped module>", None))
     if is_wrapper(root):
         raise ValueError(
             f"FullyShardedDataParallel: `{arg}` holds the FullyShardedDataParallel at {path!r}; a wrapper cannot be "
             "ignored. Pass the module before wrapping it (and do not wrap it), or leave it out"
-        )
-    inner = [where[id(m)][0] for m in root.modules() if m is not root and is_wrapper(m)]
-    if inner:
-        raise ValueError(
-            f"FullyShardedDataParallel: the ignored module at {path!r} holds the FullyShardedDataParallel wrapper(s) "
-            f"{inner}; an ignored module's parameters stay unmanaged, so it cannot hold a wrapper. Do not wrap "
-            "inside an ignored module, or ignore only the modules beside the inner wrapper"
         )
     if above is None:
         return False
@@ -214,6 +295,25 @@ def _ignored_by_inner(
         f"{where[id(above)][0] or '<the wrapped module>'!r}, which already manages it; pass it in that wrapper's "
         "ignored_modules when building it"
     )
+
+
+def adopt_attached(
+    ignored: IgnoredStates, found: list[tuple[str, nn.Module]], module: nn.Module, where: str
+) -> IgnoredStates:
+    """``ignored`` with ``found`` (modules attached inside ``module`` after wrapping, see
+    :func:`~fsdp.flat_param.attached_after_wrapping`) ignored too: torch FSDP1 leaves such a module's
+    parameters alone, and so does this library. Warned unless the module was given in
+    ``ignored_modules`` at construction (while it was detached)."""
+    unexpected = [path for path, m in found if m not in ignored.detached]
+    if unexpected:
+        warnings.warn(
+            f"FullyShardedDataParallel: module(s) {unexpected} were attached inside the wrapper at {where!r} after "
+            "wrapping; no wrapper manages their parameters, which each rank trains on its own gradients (as torch "
+            "FSDP does). Pass them in ignored_modules= when wrapping to say so and silence this warning, or attach "
+            "them before wrapping to have them sharded",
+            stacklevel=3,
+        )
+    return ignored.with_attached([m for _, m in found], module)
 
 
 def _options_inside(options: Mapping[str, Any], ignored: IgnoredStates, module: nn.Module) -> dict[str, Any]:
@@ -361,311 +461,3 @@ def _run_in_fp32(module: nn.Module) -> None:
 
     module.register_forward_pre_hook(to_fp32, with_kwargs=True)
     module.register_forward_hook(back, with_kwargs=True)
-
-
-def _root(model: nn.Module, what: str, group: Any = None) -> Any:
-    """The outermost wrapper: ``model`` itself (the static methods take the wrapped model). A
-    ``group`` given must be the one the model trains over."""
-    if not isinstance(model, TorchFSDPMethods):
-        raise TypeError(
-            f"FullyShardedDataParallel.{what}: pass the outermost FullyShardedDataParallel (the model you train), got "
-            f"{type(model).__name__}"
-        )
-    if group is not None:
-        comm = model.fsdp_config.comm
-        ours = comm.dp_group or comm.process_group
-        if dist.get_rank(group) < 0 or dist.get_process_group_ranks(group) != dist.get_process_group_ranks(
-            ours
-        ):
-            raise ValueError(
-                f"FullyShardedDataParallel.{what}: `group` must hold the ranks the model trains over "
-                f"({dist.get_process_group_ranks(ours)}); leave it unset"
-            )
-    return model
-
-
-def _full_named(root: Any, optim: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
-    """The full optimizer state keyed by parameter name (torch's full form), on rank 0 or on every
-    rank; ``{}`` on the others. Collective."""
-    full = root.gather_full_optim_state_dict(optim)
-    if not rank0_only:
-        full = _broadcast_object(full, root._state_layout())
-    if full is None:
-        return {}
-    names = full["param_names"]
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]]
-    for g in groups:
-        g.pop("param_names", None)
-    extras = {k: v for k, v in full.items() if k not in ("state", "param_groups", "param_names")}
-    return {**extras, "state": {names[i]: v for i, v in full["state"].items()}, "param_groups": groups}
-
-
-def _same_state_dict(given: Mapping[str, Any], own: Mapping[str, Any]) -> bool:
-    """``given`` holds the values of the optimizer's own ``state_dict()`` (torch's docs pass that)."""
-    try:
-        if given.keys() != own.keys() or given["param_groups"] != own["param_groups"]:
-            return False
-        a, b = given["state"], own["state"]
-        return a.keys() == b.keys() and all(
-            a[i].keys() == b[i].keys()
-            and all(torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])) for k in b[i])
-            for i in b
-        )
-    except (RuntimeError, TypeError, KeyError):  # (tensor-valued hyperparameters compare ambiguously)
-        return False
-
-
-def _optim_rank0_only(root: Any) -> bool:
-    config = root._state_dict_settings.optim_state_dict_config
-    return bool(getattr(config, "rank0_only", False))
-
-
-def _broadcast_object(obj: Any, layout: Any) -> Any:
-    """``obj`` of the layout's first rank, on every rank of its group. Collective."""
-    box = [obj]
-    dist.broadcast_object_list(
-        box, src=dist.get_global_rank(layout.group, 0), group=layout.group, device=layout.device
-    )
-    return box[0]
-
-
-class TorchFSDPMethods:
-    """torch FSDP1's methods on the wrapper class. The static ones take the outermost wrapper as ``model``."""
-
-    fsdp_config: FSDPConfig
-    _is_root: bool | None
-
-    @property
-    def _inside_another(self) -> bool:
-        raise NotImplementedError
-
-    def _lazy_init(self) -> None:
-        raise NotImplementedError
-
-    def check_is_root(self) -> bool:
-        """torch FSDP1's: whether this wrapper is the root (outermost) one. Before the first forward
-        the outermost wrapper becomes the root here, as the first forward would make it (collective
-        then: the ranks compare their wrapper trees)."""
-        if self._is_root is None and not self._inside_another:
-            self._lazy_init()
-        return bool(self._is_root)
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """torch FSDP1's gradient communication hook: not supported."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.register_comm_hook is not supported: gradients are reduced by this library's "
-            "own reduce-scatter (all-reduce under NO_SHARD). For communication in lower precision pass "
-            "mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16); to change how gradients are averaged use "
-            "set_gradient_divide_factors"
-        )
-
-    @staticmethod
-    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[Any]:
-        """Every wrapper in ``module`` (itself included), outermost first; with ``root_only`` the
-        outermost ones only."""
-        found = [m for m in module.modules() if isinstance(m, TorchFSDPMethods)]
-        if not root_only:
-            return found
-        inner = {id(w) for m in found for w in m.modules() if w is not m and isinstance(w, TorchFSDPMethods)}
-        return [m for m in found if id(m) not in inner]
-
-    @staticmethod
-    def full_optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_input: Any = None,
-        rank0_only: bool = True,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """The optimizer state a plain optimizer over the unwrapped model would have, keyed by
-        parameter name as torch's is, on rank 0 (with ``rank0_only``, the other ranks get ``{}``)
-        or on every rank. Collective."""
-        root = _root(model, "full_optim_state_dict", group)
-        _refuse(optim_input=optim_input)
-        return _full_named(root, optim, rank0_only)
-
-    @staticmethod
-    def shard_full_optim_state_dict(
-        full_optim_state_dict: dict[str, Any],
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-    ) -> dict[str, Any]:
-        """This rank's state dict for ``optim.load_state_dict`` from a full one held by every rank."""
-        root = _root(model, "shard_full_optim_state_dict")
-        _refuse(optim_input=optim_input)
-        return root.get_shard_from_optim_state_dict(full_optim_state_dict, optim)  # type: ignore[no-any-return]
-
-    @staticmethod
-    def scatter_full_optim_state_dict(
-        full_optim_state_dict: dict[str, Any] | None,
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """As :meth:`shard_full_optim_state_dict`, with the full state dict on rank 0 alone (the
-        other ranks may pass None): rank 0 sends it to the others. Collective."""
-        root = _root(model, "scatter_full_optim_state_dict", group)
-        _refuse(optim_input=optim_input)
-        layout = root._state_layout()
-        if layout.rank == 0 and full_optim_state_dict is None:
-            raise ValueError(
-                "FullyShardedDataParallel.scatter_full_optim_state_dict: rank 0 must pass the full state dict"
-            )
-        full = _broadcast_object(full_optim_state_dict if layout.rank == 0 else None, layout)
-        return root.get_shard_from_optim_state_dict(full, optim)  # type: ignore[no-any-return]
-
-    @staticmethod
-    def optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_state_dict: dict[str, Any] | None = None,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name (the formats are described in
-        fsdp/optim_state.py), as the model's state dict type says: under
-        ``FULL_STATE_DICT`` full tensors (on every rank, or rank 0 alone with
-        ``FullOptimStateDictConfig(rank0_only=True)``: the others get ``{}``); under
-        ``SHARDED_STATE_DICT`` row-sharded DTensors. Collective."""
-        root = _root(model, "optim_state_dict", group)
-        if optim_state_dict is not None and not _same_state_dict(optim_state_dict, optim.state_dict()):
-            raise NotImplementedError(
-                "FullyShardedDataParallel.optim_state_dict: an `optim_state_dict` other than optim.state_dict() is not "
-                "supported; leave it unset (the optimizer's own state is read)"
-            )
-        kind = root._state_dict_type
-        if kind is StateDictType.SHARDED_STATE_DICT:
-            return root.sharded_optim_state_dict(optim)  # type: ignore[no-any-return]
-        if kind is not StateDictType.FULL_STATE_DICT:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel.optim_state_dict: {kind.name} has no optimizer state form; use "
-                "FULL_STATE_DICT or SHARDED_STATE_DICT"
-            )
-        return _full_named(root, optim, _optim_rank0_only(root))
-
-    @staticmethod
-    def optim_state_dict_to_load(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_state_dict: dict[str, Any],
-        is_named_optimizer: bool = False,
-        load_directly: bool = False,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """What ``optim.load_state_dict`` takes, from an :meth:`optim_state_dict` saved at any world
-        size (under the same state dict type). Under ``FULL_STATE_DICT`` every rank passes the whole
-        dict, or, with ``FullOptimStateDictConfig(rank0_only=True)``, rank 0 does and rank 0 sends it
-        to the others. ``load_directly=True`` loads it into ``optim`` too. Collective under
-        ``SHARDED_STATE_DICT`` and with ``rank0_only``."""
-        root = _root(model, "optim_state_dict_to_load", group)
-        if is_named_optimizer:
-            raise NotImplementedError(
-                "FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer=True is not supported; the "
-                "optimizer steps on the flat parameters"
-            )
-        if root._state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            root.load_sharded_optim_state_dict(optim, optim_state_dict)
-            loaded: dict[str, Any] = optim.state_dict()
-            return loaded
-        if root._state_dict_type is not StateDictType.FULL_STATE_DICT:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel.optim_state_dict_to_load: {root._state_dict_type.name} has no optimizer "
-                "state form; use FULL_STATE_DICT or SHARDED_STATE_DICT"
-            )
-        if _optim_rank0_only(root):
-            layout = root._state_layout()
-            optim_state_dict = _broadcast_object(optim_state_dict if layout.rank == 0 else None, layout)
-        shard: dict[str, Any] = root.get_shard_from_optim_state_dict(optim_state_dict, optim)
-        if load_directly:
-            optim.load_state_dict(shard)
-        return shard
-
-    @staticmethod
-    def rekey_optim_state_dict(
-        optim_state_dict: dict[str, Any],
-        optim_state_key_type: Any,
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-    ) -> dict[str, Any]:
-        """Re-key a full optimizer state dict between parameter names (``OptimStateKeyType.PARAM_NAME``:
-        the form :meth:`full_optim_state_dict` returns) and parameter ids (``PARAM_ID``: positions in
-        ``optim``'s parameter groups, else in ``model.parameters()``: what a plain optimizer's
-        ``state_dict()`` holds). ``model`` is the unwrapped model (or one wrapped with
-        ``use_orig_params=True``). A dict already keyed so is returned as it is. Not collective."""
-        _refuse(optim_input=optim_input)
-        kind = getattr(optim_state_key_type, "name", optim_state_key_type)
-        if kind not in ("PARAM_NAME", "PARAM_ID"):
-            raise ValueError(
-                "FullyShardedDataParallel.rekey_optim_state_dict: optim_state_key_type must be "
-                f"OptimStateKeyType.PARAM_NAME or OptimStateKeyType.PARAM_ID, got {optim_state_key_type!r}"
-            )
-        if any(
-            isinstance(w, TorchFSDPMethods) and w.fsdp_config.sharding.flatten_parameters
-            for w in model.modules()
-        ):
-            raise ValueError(
-                "FullyShardedDataParallel.rekey_optim_state_dict: the model holds flattened parameters, whose ids "
-                "name no original parameter. Pass the unwrapped model (or one wrapped with use_orig_params=True); "
-                "to load a full optimizer state dict into the wrapped model use shard_full_optim_state_dict"
-            )
-        name_of: dict[int, str] = {}
-        for name, p in model.named_parameters():  # a tied parameter goes by its first name
-            name_of.setdefault(id(p), plain_name(name).replace(CHECKPOINT_WRAPPED + ".", ""))
-        params = (
-            [p for g in optim.param_groups for p in g["params"]]
-            if optim is not None
-            else list(model.parameters())
-        )
-        strangers = sum(id(p) not in name_of for p in params)
-        if strangers:
-            raise ValueError(
-                f"FullyShardedDataParallel.rekey_optim_state_dict: {strangers} of the optimizer's parameters are not "
-                "parameters of `model`; pass the model the optimizer was built over"
-            )
-        names = [name_of[id(p)] for p in params]
-        groups = optim_state_dict["param_groups"]
-        keys = [k for g in groups for k in g["params"]]
-        if kind == "PARAM_NAME":
-            if all(isinstance(k, str) for k in keys):
-                return optim_state_dict
-            table: Mapping[Any, Any] = dict(enumerate(names))
-        else:
-            if all(isinstance(k, int) for k in keys):
-                return optim_state_dict
-            table = {n: i for i, n in enumerate(names)}
-        unknown = [k for k in [*keys, *optim_state_dict["state"]] if k not in table]
-        if unknown:
-            raise ValueError(
-                f"FullyShardedDataParallel.rekey_optim_state_dict: keys {unknown[:4]} name no parameter of the model "
-                f"(it has {len(names)}, e.g. {names[:3]}); the state dict and the model must come from the same "
-                "architecture"
-            )
-        extras = {k: v for k, v in optim_state_dict.items() if k not in ("state", "param_groups")}
-        return {
-            **extras,
-            "state": {table[k]: v for k, v in optim_state_dict["state"].items()},
-            "param_groups": [{**g, "params": [table[k] for k in g["params"]]} for g in groups],
-        }
-
-    @staticmethod
-    def flatten_sharded_optim_state_dict(
-        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
-    ) -> dict[str, Any]:
-        """torch FSDP1's deprecated reader of its ``ShardedTensor`` optimizer state: not supported."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.flatten_sharded_optim_state_dict (deprecated in torch) is not supported. Load "
-            "a sharded optimizer state with FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd) under "
-            "StateDictType.SHARDED_STATE_DICT, or model.load_sharded_optim_state_dict(optim, osd)"
-        )
-
-
-def _refuse(**given: Any) -> None:
-    """torch's arguments this library does not take, refused unless left at their defaults."""
-    for name, value in given.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: `{name}` is not supported; leave it unset (the optimizer's own param "
-                "groups are used)"
-            )

@@ -42,6 +42,33 @@ __all__ = [
 ]
 
 
+def _torch_twin(value: Any, cls: type) -> bool:
+    """Whether ``value`` is torch FSDP's object of the same name as ``cls`` (``torch.distributed.fsdp``)."""
+    kind = type(value)
+    return kind.__name__ == cls.__name__ and kind.__module__.startswith("torch.distributed.fsdp")
+
+
+class _TwinEnum(enum.Enum):
+    """An enum whose members equal torch FSDP's members of the same name (``model.sharding_strategy ==
+    torch.distributed.fsdp.ShardingStrategy.FULL_SHARD`` holds), and hash alike (by name, as torch's)."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and _torch_twin(other, type(self)):
+            return self.name == other.name
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self._name_)
+
+
+def _twin_eq(self: Any, other: object) -> bool:
+    """``__eq__`` of an option dataclass: field by field, with its own class or with torch's twin."""
+    if type(other) is not type(self) and not _torch_twin(other, type(self)):
+        return NotImplemented  # type: ignore[no-any-return]
+    names = [f.name for f in dataclasses.fields(self)]
+    return all(hasattr(other, n) for n in names) and all(getattr(self, n) == getattr(other, n) for n in names)
+
+
 class OptimStateKeyType(enum.Enum):
     """How :meth:`FullyShardedDataParallel.rekey_optim_state_dict` keys an optimizer state dict
     (torch FSDP1's names): by parameter name (the full form), or by parameter id (a position in the
@@ -85,7 +112,7 @@ class ProcessGroupName(str, enum.Enum):
     reduce_scatter = "reduce_scatter"
 
 
-class ShardingStrategy(enum.Enum):
+class ShardingStrategy(_TwinEnum):
     """How parameters, gradients and optimizer state are spread over ranks (torch FSDP's names).
 
     - ``FULL_SHARD``: shard everything; full parameters exist only around each unit's forward and
@@ -106,7 +133,7 @@ class ShardingStrategy(enum.Enum):
     _HYBRID_SHARD_ZERO2 = enum.auto()
 
 
-class StateDictType(enum.Enum):
+class StateDictType(_TwinEnum):
     """What ``state_dict()`` and ``load_state_dict()`` of a wrapper mean (torch FSDP's names), chosen
     with :meth:`FullyShardedDataParallel.state_dict_type` or ``set_state_dict_type``.
 
@@ -137,10 +164,12 @@ class CPUOffload:
     """torch FSDP's offload option: ``cpu_offload=CPUOffload(offload_params=True)`` is
     ``move_params_to_cpu=True`` (the gradients follow the parameters)."""
 
+    __eq__ = _twin_eq  # (also equal to torch's twin)
+
     offload_params: bool = False
 
 
-class BackwardPrefetch(enum.Enum):
+class BackwardPrefetch(_TwinEnum):
     """torch FSDP's ``backward_prefetch`` values: the all-gather of the unit whose backward comes
     next is launched when a unit's backward starts (``BACKWARD_PRE``, overlapping this unit's
     gradient computation), or once its gradients are reduced and its full parameters freed
@@ -157,6 +186,8 @@ class FullStateDictConfig:
     StateDictType.FULL_STATE_DICT, FullStateDictConfig(...))``: ``offload_to_cpu`` puts the values
     on the CPU, ``rank0_only`` gives them to rank 0 alone (the other ranks get an empty dict)."""
 
+    __eq__ = _twin_eq  # (also equal to torch's twin)
+
     offload_to_cpu: bool = False
     rank0_only: bool = False
 
@@ -166,6 +197,8 @@ class ShardedStateDictConfig:
     """torch FSDP's options of a sharded state dict. ``offload_to_cpu=True`` is accepted where
     compute runs on the CPU (the shards are there already) and refused on a GPU."""
 
+    __eq__ = _twin_eq  # (also equal to torch's twin)
+
     offload_to_cpu: bool = False
 
 
@@ -173,6 +206,8 @@ class ShardedStateDictConfig:
 class LocalStateDictConfig:
     """torch FSDP's options of a local state dict. ``offload_to_cpu=True`` is accepted where compute
     runs on the CPU and refused on a GPU."""
+
+    __eq__ = _twin_eq  # (also equal to torch's twin)
 
     offload_to_cpu: bool = False
 
@@ -183,6 +218,8 @@ class FullOptimStateDictConfig:
     under ``FULL_STATE_DICT``: ``rank0_only`` gives it to rank 0 alone (the other ranks get an empty
     dict). It is always built on the CPU, so ``offload_to_cpu`` changes nothing."""
 
+    __eq__ = _twin_eq  # (also equal to torch's twin)
+
     offload_to_cpu: bool = True
     rank0_only: bool = False
 
@@ -191,6 +228,8 @@ class FullOptimStateDictConfig:
 class ShardedOptimStateDictConfig:
     """torch FSDP's options of a sharded optimizer state dict. Its shards stay where the optimizer
     keeps its state (the CPU under ``move_params_to_cpu``), whatever ``offload_to_cpu`` says."""
+
+    __eq__ = _twin_eq  # (also equal to torch's twin)
 
     offload_to_cpu: bool = True
 
@@ -269,6 +308,8 @@ class MixedPrecision:
     buffer_dtype or compute_dtype or float16)``.
     """
 
+    __eq__ = _twin_eq  # (also equal to torch's twin)
+
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
@@ -276,6 +317,11 @@ class MixedPrecision:
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
     _module_classes_to_ignore: tuple[type[torch.nn.Module], ...] = (torch.nn.modules.batchnorm._BatchNorm,)
+
+    def __bool__(self) -> bool:
+        """Whether parameters are cast (``param_dtype`` is set): what fairscale's ``mixed_precision``
+        flag says, so ``if model.mixed_precision:`` reads alike for both construction styles."""
+        return self.param_dtype is not None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):

@@ -16,8 +16,11 @@ in the forward only, not again in the recomputation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,9 +30,27 @@ from torch import nn
 from fsdp._compile import TRACED_MODULES
 from fsdp._recompute import run_eagerly
 
-__all__ = ["checkpoint_wrapper", "is_checkpointed"]
+__all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointed"]
 
 _MARK = "_fsdp_checkpointed"
+
+
+class _Switch(threading.local):
+    disabled = False  # inside disable_checkpointing() on this thread
+
+
+_SWITCH = _Switch()
+
+
+@contextlib.contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """fairscale's context: inside it (on this thread), checkpointed modules run their plain
+    forward, keeping their activations for backward instead of recomputing them. Nests."""
+    previous, _SWITCH.disabled = _SWITCH.disabled, True
+    try:
+        yield
+    finally:
+        _SWITCH.disabled = previous
 
 
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
@@ -37,15 +58,15 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
 
     Args:
         module: the module whose activations are not kept for backward (only its inputs are).
-        offload_to_cpu: also move the saved inputs to CPU memory until backward needs them.
+        offload_to_cpu: also move the saved inputs to CPU memory until backward needs them (any
+            truthy value, as fairscale's flag is read).
 
     Postcondition: ``module`` computes the same outputs and gradients as before; its parameter names
     and state-dict keys are unchanged.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper takes an nn.Module, got {type(module).__name__}")
-    if not isinstance(offload_to_cpu, bool):
-        raise TypeError(f"checkpoint_wrapper: offload_to_cpu must be a bool, got {offload_to_cpu!r}")
+    offload_to_cpu = bool(offload_to_cpu)  # (fairscale tests it for truth; configs pass 0/1 or None)
     if is_checkpointed(module):
         raise ValueError(f"checkpoint_wrapper: this {type(module).__name__} is already checkpointed")
     # the bound forward of the instance's class; a weak reference avoids a module -> forward -> module cycle
@@ -64,7 +85,7 @@ def _checkpointed_forward(
 ) -> Any:
     module = module_ref()
     assert module is not None, "checkpointed module was garbage collected"
-    if not torch.is_grad_enabled():  # nothing would be saved anyway
+    if not torch.is_grad_enabled() or _SWITCH.disabled:  # nothing would be saved / not wanted
         return original(module, *args, **kwargs)
     # Keyword arguments travel as positional ones: torch's checkpoint records the CUDA RNG state only
     # of the devices of its positional tensors (dropout on a tensor passed as x=... would draw other

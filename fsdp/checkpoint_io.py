@@ -8,40 +8,60 @@ and into any wrap plan. See [Note: checkpoint commit] for how a save becomes vis
 Each save goes into a fresh directory and becomes a checkpoint only when its commit marker
 ``COMMITTED`` exists. The marker is written last: rank 0 writes it after every rank has finished
 writing (DCP's own final step, then an agreement between ranks), to a temporary name first and then
-renamed, so it is either complete or absent. It records the size of every file, which each rank
-checks before loading. A crash at any point before the rename therefore leaves a directory without a
+renamed, so it is either complete or absent. It records the size and the checksum of every file,
+which the ranks check before loading (see [Note: checkpoint integrity] in checkpoint_files.py). A
+crash at any point before the rename therefore leaves a directory without a
 marker, which :func:`load_checkpoint` rejects on every rank, while the previous checkpoint is
 untouched and loadable. Every phase of a save or a load ends with :func:`fsdp.state_dict.agree`: a
 failure on one rank becomes the same error on all of them instead of leaving them blocked in the
 next collective. Loading reads into fresh buffers and checks every name and shape before anything
 is written into the model or the optimizer, so a failed load changes nothing.
 
-Files: ``.metadata`` and ``__<rank>_<n>.distcp`` (DCP), ``fsdp_manifest.json`` (format, world size,
-the unwrapped model's state-dict keys and tied names), ``extra.pt`` (the ``extra`` object, from rank
-0) and ``COMMITTED``. The directory must be on a file system that every rank sees (it may be mounted
-at different paths on different nodes): before writing anything, rank 0 leaves a random token in
+Files: ``.metadata`` and ``__<rank>_<n>.distcp`` (DCP; each rank's application state is in its own
+file, see [Note: application state] in _app_state.py), ``fsdp_manifest.json`` (format, world size,
+the unwrapped model's state-dict keys and tied names, the application state's names), ``extra.pt``
+(the ``extra`` object, from rank 0) and ``COMMITTED``. The directory must be on a file system that
+every rank sees (it may be mounted at different paths on different nodes): before writing
+anything, rank 0 leaves a random token in
 ``.fsdp_save_probe`` and every rank must read it back at its own path. A load compares the
 checkpoint id (random, in the marker) that each rank read.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 import secrets
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from fsdp import _app_state
+from fsdp.checkpoint_files import (
+    COMMIT_MARKER,
+    FORMAT,
+    MANIFEST,
+    NO_SPACE_LEFT,
+    VERSION,
+    CheckpointError,
+    check_checkpoint,
+    file_checksum,
+    gather_checksums,
+    is_committed,
+    latest_checkpoint,
+    marker_text,
+    out_of_space,
+    read_checkpoint_info,
+    read_dcp_metadata,
+    read_marker,
+    recording_writer,
+    verify_share,
+)
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.optim_state import (
     OptimLoadPlan,
@@ -59,6 +79,9 @@ from fsdp.state_dict import (
 )
 from fsdp.state_layout import Layout, agree
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+
 __all__ = [
     "COMMIT_MARKER",
     "CheckpointError",
@@ -71,12 +94,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-COMMIT_MARKER = "COMMITTED"
-MANIFEST = "fsdp_manifest.json"
 EXTRA = "extra.pt"
 PROBE = ".fsdp_save_probe"  # rank 0's random token: every rank must read it back at its own path
-FORMAT = "fsdp-checkpoint"
-VERSION = 1
 _MODEL, _OPTIM = "model", "optim"
 
 
@@ -85,10 +104,6 @@ _SAME_PATH = (
     "is not on a file system every rank sees; pass every rank the same directory on a shared file system "
     "(for a resume: rank 0's latest_checkpoint(), sent with dist.broadcast_object_list)"
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; raised on every rank with the same message."""
 
 
 def _describe(model: FullyShardedDataParallel) -> Layout:
@@ -111,78 +126,7 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-# ---------------------------------------------------------------------- markers and manifest
-def is_committed(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds a complete checkpoint (its commit marker exists)."""
-    return (Path(path) / COMMIT_MARKER).is_file()
-
-
-def read_checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check that ``path`` is a complete, undamaged checkpoint; return its manifest. Reads no tensor data.
-
-    Raises :class:`CheckpointError` if the commit marker is missing (the save never finished), a
-    file is missing or has another size than when it was saved, or the format is unknown.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint {str(root)!r} does not exist (or is not a directory)")
-    marker = root / COMMIT_MARKER
-    if not marker.is_file():
-        raise CheckpointError(
-            f"checkpoint {str(root)!r} has no commit marker {COMMIT_MARKER!r}: its save did not finish (the job "
-            "crashed or was stopped while writing it). Load an earlier checkpoint (fsdp.latest_checkpoint finds "
-            "the newest complete one)"
-        )
-    try:
-        committed = json.loads(marker.read_text())
-        manifest = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {str(root)!r} is damaged: {_error(e)}") from e
-    if manifest.get("format") != FORMAT or int(manifest.get("version", 0)) > VERSION:
-        raise CheckpointError(
-            f"{str(root)!r} is not an fsdp checkpoint of a version this fsdp reads (format "
-            f"{manifest.get('format')!r}, version {manifest.get('version')!r}; this fsdp reads {FORMAT!r} up to "
-            f"version {VERSION})"
-        )
-    for name, size in committed.get("files", {}).items():
-        file = root / name
-        actual = file.stat().st_size if file.is_file() else None
-        if actual != size:
-            state = "is missing" if actual is None else f"has {actual} bytes"
-            raise CheckpointError(
-                f"checkpoint {str(root)!r} is damaged: {name} {state}, the commit marker recorded {size} bytes "
-                "(truncated or changed after the save). Load an earlier checkpoint"
-            )
-    manifest["saved_at_ns"] = committed.get("saved_at_ns", 0)
-    manifest["checkpoint_id"] = committed.get("checkpoint_id", "")
-    return dict(manifest)
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The most recently committed checkpoint directory directly under ``root`` that passes
-    :func:`read_checkpoint_info` (complete, files of their recorded sizes), or None."""
-    base = Path(root)
-    if not base.is_dir():
-        return None
-    found: list[tuple[int, str, Path]] = []
-    for child in base.iterdir():
-        marker = child / COMMIT_MARKER
-        if not marker.is_file():
-            continue
-        try:
-            found.append((int(json.loads(marker.read_text()).get("saved_at_ns", 0)), child.name, child))
-        except Exception:  # unreadable, or not the marker's format
-            continue
-    for _, _, path in sorted(found, reverse=True):
-        try:
-            read_checkpoint_info(path)
-        except Exception as e:
-            log.warning("latest_checkpoint: skipping %s: %s", path, e)
-            continue
-        return path
-    return None
-
-
+# ---------------------------------------------------------------------- writing
 def _write_atomically(path: Path, data: str | bytes) -> None:
     """Write a temporary file, fsync it, rename it over ``path`` and fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
@@ -201,22 +145,10 @@ def _write_atomically(path: Path, data: str | bytes) -> None:
 def _serialize_extra(extra: Any) -> bytes:
     """``extra`` as ``torch.save`` writes it, after checking that ``torch.load(weights_only=True)``
     (what :func:`load_checkpoint` uses) reads it back; else a checkpoint would commit that never loads."""
-    buffer = io.BytesIO()
     try:
-        torch.save(extra, buffer)
-    except Exception as e:
-        raise CheckpointError(f"extra cannot be saved: {_error(e)}") from None
-    try:
-        torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
-    except Exception as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        detail = next((line for line in lines if "WeightsUnpickler" in line), lines[0] if lines else "")
-        raise CheckpointError(
-            f"extra holds something torch.load(weights_only=True) cannot read back ({type(e).__name__}: "
-            f"{detail}); keep to numbers, strings, tensors and lists / tuples / dicts of them (e.g. numpy's "
-            "RNG state as a list, torch.get_rng_state() as a tensor)"
-        ) from None
-    return buffer.getvalue()
+        return _app_state.to_bytes(extra, "extra")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _looks_like_failed_save(root: Path) -> bool:
@@ -258,28 +190,68 @@ def _prepare_directory(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
 
+def _save_error(e: BaseException, root: Path) -> str:
+    """The message of a failed save phase; a full disk says so (with the directory) whatever raised it."""
+    full = out_of_space(e)
+    if full is not None:
+        return (
+            f"{NO_SPACE_LEFT} while saving {str(root)!r} ({full.strerror or full}); free space or save "
+            "elsewhere. The files of this unfinished save are removed; earlier checkpoints are untouched"
+        )
+    return str(e) if isinstance(e, CheckpointError) else _error(e)
+
+
+def _remove_unfinished(root: Path) -> None:
+    """Free the space an unfinished save took (only its own files: the directory holds no marker)."""
+    try:
+        if root.is_dir() and not is_committed(root) and _looks_like_failed_save(root):
+            for p in root.iterdir():
+                p.unlink()
+    except OSError as e:
+        log.warning("could not remove the files of the unfinished save %s: %s", root, e)
+
+
 # ---------------------------------------------------------------------- save
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: FullyShardedDataParallel,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
+    *,
+    app_state: Mapping[str, Stateful] | None = None,
+    checksums: bool = True,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) into the fresh directory ``path``. Collective: every rank calls it.
 
     Each rank writes 1/world_size of the parameters and of the optimizer state; ``extra`` (rank 0's,
     anything ``torch.load(weights_only=True)`` reads back: numbers, strings, tensors, containers of
-    them) is stored beside. The directory counts as a checkpoint once its commit marker is written,
-    last (see [Note: checkpoint commit]). An uncommitted leftover of a crashed save at ``path`` is
-    replaced; a committed checkpoint there is refused. Returns ``path``.
+    them) is stored beside. ``app_state`` maps names to objects with ``state_dict()`` and
+    ``load_state_dict()`` (DCP's ``Stateful``: a scheduler, a scaler, a sampler, RNG states); every
+    rank's own ``state_dict()`` of each is saved (see [Note: application state] in _app_state.py),
+    and every rank must pass the same names. The directory counts as a checkpoint once its commit
+    marker is written, last (see [Note: checkpoint commit]), with every file's size and, unless
+    ``checksums=False``, its checksum (see [Note: checkpoint integrity] in checkpoint_files.py). An
+    uncommitted leftover of a crashed save at ``path`` is replaced; a committed checkpoint there is
+    refused. A full disk raises "no space left on device while saving <path>" on every rank and
+    removes the unfinished save's files. Returns ``path``.
     """
+    # torch.distributed.checkpoint is imported where it is used: it costs about 0.5 s to import
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     root = Path(path)
     layout = _describe(model)
+    app = _app_state.check_app_state(app_state)
     what = f"save_checkpoint({str(root)!r})"
     error = None
     blob = None
     created = False
-    if layout.rank == 0:
+    app_blobs: dict[str, bytes] = {}
+    try:
+        app_blobs = _app_state.state_blobs(app, layout.rank)
+    except ValueError as e:
+        error = str(e)
+    if layout.rank == 0 and error is None:
         try:
             if extra is not None:
                 blob = _serialize_extra(extra)
@@ -288,8 +260,20 @@ def save_checkpoint(
             if layout.world_size > 1:
                 _write_atomically(root / PROBE, secrets.token_hex(16))
         except Exception as e:
-            error = str(e) if isinstance(e, CheckpointError) else _error(e)
-    agree(layout, error, what, exc_type=CheckpointError)
+            error = _save_error(e, root)
+            if out_of_space(e) is not None:
+                _remove_unfinished(root)
+                if created and root.is_dir() and not any(root.iterdir()):
+                    root.rmdir()
+    names = ", ".join(sorted(app))
+    agree(
+        layout,
+        error,
+        what,
+        names,
+        CheckpointError,
+        f"the ranks passed app_state with different names ({names!r} here)",
+    )
     try:
         # every rank must see the directory rank 0 prepared (a per-rank name, or a disk only one node
         # sees, would commit rank 0's files only); mount points may differ
@@ -301,15 +285,20 @@ def save_checkpoint(
             agree(layout, None, what, seen, CheckpointError, _SAME_PATH)
 
         error = None
+        mine: dict[str, str] = {}
         try:
             state: dict[str, Any] = {_MODEL: sharded_state_dict(layout)}
             if optimizer is not None:
                 state[_OPTIM] = sharded_optim_state_dict(layout, optimizer)
-            writer = FileSystemWriter(str(root), single_file_per_rank=True, sync_files=True)
+            state.update(app_blobs)  # this rank's own entries: DCP writes them into this rank's file
+            writer = recording_writer(str(root), single_file_per_rank=True, sync_files=True)
             dcp_save(state, storage_writer=writer, process_group=layout.group)
+            if checksums:  # this rank's files, still in the page cache
+                mine = {name: file_checksum(root / name) for name in sorted(writer.written)}
         except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-            error = _error(e)
+            error = _save_error(e, root)
         agree(layout, error, what, exc_type=CheckpointError)
+        recorded = gather_checksums(layout, mine) if checksums else None
 
         error = None
         if layout.rank == 0:
@@ -326,11 +315,12 @@ def save_checkpoint(
                     "has_optimizer": optimizer is not None,
                     "optimizer": _class_name(optimizer) if optimizer is not None else None,
                     "has_extra": extra is not None,
+                    "app_state": sorted(app),
                     "wrap_plan": layout.fingerprint(),
                 }
                 _write_atomically(root / MANIFEST, json.dumps(manifest, indent=1))
             except Exception as e:
-                error = _error(e)
+                error = _save_error(e, root)
         agree(layout, error, what, exc_type=CheckpointError)  # every rank's data is on disk: the barrier
 
         error = None
@@ -345,13 +335,18 @@ def save_checkpoint(
                     "world_size": layout.world_size,
                     "files": files,
                 }
-                _write_atomically(root / COMMIT_MARKER, json.dumps(marker, indent=1))
+                sums = None  # the files rank 0 wrote after DCP's write: .metadata, the manifest, extra
+                if recorded is not None:
+                    sums = {name: recorded.get(name) or file_checksum(root / name) for name in files}
+                _write_atomically(root / COMMIT_MARKER, marker_text(marker, sums))
             except Exception as e:
-                error = _error(e)
+                error = _save_error(e, root)
         agree(layout, error, what, exc_type=CheckpointError)
-    except CheckpointError:
+    except CheckpointError as e:
         if layout.rank == 0:  # no probe left behind, and no directory this save created for nothing
             (root / PROBE).unlink(missing_ok=True)
+            if NO_SPACE_LEFT in str(e):
+                _remove_unfinished(root)
             if created and root.is_dir() and not any(root.iterdir()):
                 root.rmdir()
         raise
@@ -365,24 +360,50 @@ def load_checkpoint(
     model: FullyShardedDataParallel,
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
+    *,
+    app_state: Mapping[str, Stateful] | None = None,
+    verify: bool = True,
 ) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint` at any world size and wrap plan. Collective.
 
-    Returns the ``extra`` object that was saved (None if none). Raises :class:`CheckpointError` on
-    every rank, with the model and optimizer unchanged, if the checkpoint is incomplete or damaged,
-    or does not match the model (a key missing, or with ``strict`` unexpected, a shape that differs)
-    or the optimizer (other param groups, or no optimizer state saved).
+    Returns the ``extra`` object that was saved (None if none). Each object of ``app_state`` gets
+    its ``load_state_dict()`` called with the state its rank saved under the same name (at another
+    world size, the state of rank ``rank % saved_world_size``; see [Note: application state] in
+    _app_state.py), before the model and the optimizer are loaded. Raises :class:`CheckpointError` on
+    every rank, with the model and optimizer unchanged, if the checkpoint is incomplete or damaged
+    (with ``verify``, a file whose checksum differs from the one recorded at the save: the ranks
+    share the reading, see [Note: checkpoint integrity] in checkpoint_files.py), or does not match
+    the model (a key missing, or with ``strict`` unexpected, a shape that differs) or the optimizer
+    (other param groups, or no optimizer state saved), holds no state for a name of ``app_state``,
+    or an object's ``load_state_dict()`` raised on some rank.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     root = Path(path)
     layout = _describe(model)
+    app = _app_state.check_app_state(app_state)
     what = f"load_checkpoint({str(root)!r}) (nothing was loaded)"
     error, digest = None, ""
     state: dict[str, Any] = {}
     manifest: dict[str, Any] = {}
+    app_keys: dict[str, str] = {}  # name -> the DCP key this rank reads
     try:
-        manifest = read_checkpoint_info(root)
-        storage = FileSystemReader(str(root)).read_metadata().state_dict_metadata
+        files: dict[str, int] = read_marker(root).get("files", {})
+        share = verify_share(files, files, layout.rank, layout.world_size) if verify else False
+        manifest, verified = check_checkpoint(root, share)
+        if verify and not verified and layout.rank == 0:
+            warnings.warn(
+                f"checkpoint {str(root)!r} records no checksums (saved by an earlier fsdp, or with "
+                "checksums=False): its content is loaded unverified",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        storage = read_dcp_metadata(root).state_dict_metadata
         problems = _match_model(layout, storage, strict)
+        problems += _match_app_state(app, manifest, storage, layout.rank, app_keys)
+        state.update((k, b"") for k in app_keys.values())  # DCP replaces each with the saved bytes
         state[_MODEL] = {
             k: v for k, v in sharded_state_dict_template(layout).items() if f"{_MODEL}.{k}" in storage
         }
@@ -409,10 +430,13 @@ def load_checkpoint(
     error = None
     model_plan: ShardedLoadPlan | None = None
     optim_plan: OptimLoadPlan | None = None
+    app_loaded: dict[str, Any] = {}
     try:
         dcp_load(state, storage_reader=FileSystemReader(str(root)), process_group=layout.group)
         if manifest.get("has_extra"):
             extra = torch.load(root / EXTRA, map_location="cpu", weights_only=True)
+        for name, k in app_keys.items():
+            app_loaded[name] = _app_state.from_bytes(state[k], f"app_state[{name!r}] ({k})")
         model_plan = check_sharded_state_dict(layout, state[_MODEL], strict)
         problems = list(model_plan.errors)
         digest = model_plan.digest
@@ -425,6 +449,21 @@ def load_checkpoint(
         error = _error(e)
     agree(layout, error, what, digest, exc_type=CheckpointError)
 
+    # the user's objects first: one that refuses its state leaves the model and the optimizer as they were
+    if app:
+        error = None
+        for name, obj in app.items():
+            try:
+                obj.load_state_dict(app_loaded[name])
+            except Exception as e:
+                error = f"app_state[{name!r}].load_state_dict() failed: {_error(e)}"
+                break
+        agree(
+            layout,
+            error,
+            f"load_checkpoint({str(root)!r}) (the model and the optimizer were not loaded)",
+            exc_type=CheckpointError,
+        )
     assert model_plan is not None
     apply_sharded_state_dict(layout, model_plan)
     if optimizer is not None:
@@ -437,6 +476,31 @@ def load_checkpoint(
         layout.world_size,
     )
     return extra
+
+
+def _match_app_state(
+    app: dict[str, Stateful],
+    manifest: dict[str, Any],
+    storage: dict[str, Any],
+    rank: int,
+    keys: dict[str, str],
+) -> list[str]:
+    """Check that the checkpoint holds state for every name of ``app``; fill ``keys`` (name -> DCP key)."""
+    saved = list(manifest.get("app_state", []))
+    source = _app_state.source_rank(rank, int(manifest.get("world_size", 1)))
+    problems = []
+    for name in app:
+        k = _app_state.key(name, source)
+        if name not in saved:
+            problems.append(
+                f"the checkpoint holds no application state {name!r} (it holds "
+                f"{', '.join(repr(n) for n in saved) or 'none'}); pass only names given to save_checkpoint(app_state=...)"
+            )
+        elif k not in storage:
+            problems.append(f"the checkpoint lacks {k!r}, the application state {name!r} of rank {source}")
+        else:
+            keys[name] = k
+    return problems
 
 
 def _match_model(layout: Layout, storage: dict[str, Any], strict: bool) -> list[str]:

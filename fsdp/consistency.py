@@ -63,7 +63,9 @@ def fingerprint(root: Any, wrappers: list[Any]) -> list[str]:
         ]
         comm = w.fsdp_config.comm
         layout = f"{w.fsdp_config.sharding.strategy.name} {comm.world_size}x{comm.dp_world_size // comm.world_size}"
-        lines.append(f"{wrapper_path(root, w)} [{type(w.module).__name__}] {layout} " + " ".join(params))
+        lines.append(
+            f"{wrapper_path(root, w)} [{type(w._fsdp_wrapped_module).__name__}] {layout} " + " ".join(params)
+        )
     return lines
 
 

@@ -6,7 +6,9 @@ reads a checkpoint written by :func:`fsdp.save_checkpoint` (at any world size) i
 without a process group, and writes with ``torch.save`` the unwrapped model's state dict: every
 parameter (fp32 masters, tied ones under each name) and persistent buffer, in ``state_dict()``
 order, so ``model.load_state_dict(torch.load(OUT.pt), strict=True)`` works on the plain model. The
-optimizer state and ``extra`` are left out. It needs memory for the whole model.
+optimizer state and ``extra`` are left out. It needs memory for the whole model. It first checks
+every file against the checksum recorded at the save and refuses a damaged checkpoint, naming the
+file (``--no-verify`` checks the sizes only).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from fsdp.checkpoint_io import CheckpointError, read_checkpoint_info
+from fsdp.checkpoint_files import CheckpointError, check_checkpoint, read_dcp_metadata
 
 __all__ = ["consolidate_checkpoint", "main"]
 
@@ -33,10 +35,20 @@ log = logging.getLogger(__name__)
 _MODEL = "model."
 
 
-def consolidate_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The unwrapped model's full state dict from a checkpoint directory (CPU tensors). Single process."""
-    manifest = read_checkpoint_info(path)
-    storage = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def consolidate_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> dict[str, torch.Tensor]:
+    """The unwrapped model's full state dict from a checkpoint directory (CPU tensors). Single process.
+
+    Raises :class:`~fsdp.checkpoint_files.CheckpointError` if the checkpoint is incomplete or
+    damaged: with ``verify``, a file whose checksum differs from the one recorded at the save."""
+    manifest, verified = check_checkpoint(path, verify)
+    if verify and not verified:
+        warnings.warn(
+            f"checkpoint {str(path)!r} records no checksums (saved by an earlier fsdp, or with checksums=False): "
+            "its content is consolidated unverified",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    storage = read_dcp_metadata(path).state_dict_metadata
     template: dict[str, torch.Tensor] = {}
     for key, md in storage.items():
         if key.startswith(_MODEL) and isinstance(md, TensorStorageMetadata):
@@ -64,10 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint_dir", type=Path, help="a committed checkpoint directory")
     parser.add_argument("out", type=Path, help="the .pt file to write")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not check the files' checksums (their sizes are still checked); for checkpoints verified "
+        "by other means",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        state = consolidate_checkpoint(args.checkpoint_dir)
+        state = consolidate_checkpoint(args.checkpoint_dir, verify=not args.no_verify)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out)
     except (CheckpointError, OSError) as e:

@@ -39,7 +39,6 @@ __all__ = [
     "ParamInfo",
     "SharedParamInfo",
     "check_no_parameters_added",
-    "check_not_owned_by_inner",
     "claim_modules",
     "collect_owned",
     "group_params",
@@ -49,6 +48,7 @@ __all__ = [
     "own_parameters",
     "resharded_in_backward",
     "set_module_tensor",
+    "split_tied",
     "unflatten_views",
     "unsynced",
 ]
@@ -213,11 +213,6 @@ class _ShardedPlaceholder(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         name = next((a._fsdp_name for a in args if isinstance(a, _ShardedPlaceholder)), "a parameter")
-        if func.__name__ in ("__deepcopy__", "__reduce_ex__", "__setstate__"):
-            raise RuntimeError(
-                f"FullyShardedDataParallel: a wrapped module cannot be deep-copied or pickled ({name!r} is "
-                "sharded). Copy the module before wrapping it, or save and load model.state_dict()"
-            )
         what = {"__set__": f"setting .{attr}", "__get__": f"reading .{attr}"}.get(
             func.__name__, f"{func.__name__}()"
         )
@@ -229,6 +224,14 @@ class _ShardedPlaceholder(torch.Tensor):
             "stand-ins with no values, and the operation would be ignored. Read or change full parameters inside "
             "`with model.summon_full_params():`; freeze or initialize parameters before wrapping"
         )
+
+    # A copy or a pickle of a wrapped module holds stand-ins again (the wrapper copies its shards):
+    # see [Note: copies of a wrapped model] in fsdp/_module_ops.py.
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return make_placeholder(self._fsdp_name, self.shape, self.dtype, self.requires_grad)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return make_placeholder, (self._fsdp_name, tuple(self.shape), self.dtype, self.requires_grad)
 
 
 def resharded_in_backward(what: str) -> str:
@@ -283,13 +286,18 @@ def set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor, as_par
 # equal across ranks is the user's affair, as in torch. A parameter is ignored by where it is
 # registered, (module, attribute), not by identity, so a meta parameter that a deferred
 # initialization replaces stays ignored. The walks that decide what a wrapper owns
-# (:func:`collect_owned`, :func:`check_no_parameters_added`, the buffer move) stop at an ignored
-# module; the state-dict layout walks into it and lists its parameters as ignored slots.
+# (:func:`collect_owned`, :func:`check_no_parameters_added`, the buffer move) take nothing from an
+# ignored module (:func:`collect_owned` enters it only to find the wrappers inside, which stay
+# managed, as in torch); the state-dict layout walks into it and lists its parameters as ignored
+# slots. A module attached after wrapping at a new path (torch's skip idiom) is adopted as ignored
+# (:func:`attached_after_wrapping`, :meth:`IgnoredStates.with_attached`).
 class IgnoredStates:
     """What one wrapper leaves alone. See [Note: ignored modules]."""
 
     roots: tuple[nn.Module, ...]  # the ignored modules as given (none when parameters were given)
     params: tuple[nn.Parameter, ...]  # the ignored parameters as given (ignored_states=[parameters])
+    detached: weakref.WeakSet[nn.Module]  # modules given but outside the wrapped module then: attached
+    # after wrapping (torch's skip idiom), they are ignored without a warning
     _modules: dict[int, nn.Module]  # every module inside an ignored module, the roots included, by id
     _locations: dict[tuple[int, str], nn.Module]  # (id(module), attribute) of every name of an ignored
     # parameter -> that module
@@ -299,9 +307,11 @@ class IgnoredStates:
         roots: Iterable[nn.Module] = (),
         params: Iterable[nn.Parameter] = (),
         module: nn.Module | None = None,
+        detached: Iterable[nn.Module] = (),
     ) -> None:
         """``roots`` and ``params`` must lie inside ``module`` (the wrapped module); checked by the caller."""
         self.roots, self.params = tuple(roots), tuple(params)
+        self.detached = weakref.WeakSet(detached)
         self._modules = {id(m): m for r in self.roots for m in r.modules()}
         wanted = {id(p) for p in self.params}
         self._locations = {}
@@ -312,6 +322,15 @@ class IgnoredStates:
 
     def __bool__(self) -> bool:
         return bool(self.roots or self.params)
+
+    # copied and pickled by the modules and parameters themselves (ids change in a copy)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"roots": self.roots, "params": self.params, "where": list(self._locations.items())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.roots, self.params = state["roots"], state["params"]
+        self._modules = {id(m): m for r in self.roots for m in r.modules()}
+        self._locations = {(id(m), name): m for (_, name), m in state["where"]}
 
     def has_module(self, m: nn.Module) -> bool:
         return id(m) in self._modules
@@ -330,6 +349,10 @@ class IgnoredStates:
             if p is not None:
                 found[id(p)] = p
         return list(found.values())
+
+    def with_attached(self, modules: Iterable[nn.Module], module: nn.Module) -> IgnoredStates:
+        """These, and ``modules`` (attached inside ``module``, the wrapped module, after wrapping) ignored too."""
+        return IgnoredStates([*self.roots, *modules], self.params, module, self.detached)
 
     def inside(self, module: nn.Module) -> IgnoredStates:
         """The part of these that lies inside ``module`` (for a wrapper built there by a policy)."""
@@ -364,12 +387,11 @@ def collect_owned(
         if m is not module and is_wrapper(m):
             inner.append((prefix[:-1], m))
             continue
-        if m is not module and ignored.has_module(m):
-            continue
-        module_of[prefix.rstrip(".")] = m
-        for name, p in m._parameters.items():
-            if p is not None and not ignored.has_param(m, name):
-                owned.append((prefix + name, p))
+        if m is module or not ignored.has_module(m):  # (an ignored module is entered for the wrappers in it)
+            module_of[prefix.rstrip(".")] = m
+            for name, p in m._parameters.items():
+                if p is not None and not ignored.has_param(m, name):
+                    owned.append((prefix + name, p))
         children = [(c, prefix + name + ".") for name, c in m._modules.items() if c is not None]
         stack.extend(reversed(children))  # depth first, in module order
     return owned, module_of, inner
@@ -378,8 +400,10 @@ def collect_owned(
 # [Note: parameters added after wrapping]
 # A wrapped module holds no parameters of its own while idle (the flat parameters replaced them),
 # so one found there was added after wrapping: nothing shards or reduces it, and each rank would
-# train it on its own gradients. The root looks at its first forward, and again at a later forward
-# only when some module of the process registered a parameter or a submodule since its last look
+# train it on its own gradients (a whole submodule attached at a path the module did not have is
+# torch's skip idiom instead, adopted as ignored first: see [Note: ignored modules]). The root
+# looks at its first forward, and again at a later forward only when some module of the process
+# registered a parameter or a submodule since its last look
 # (torch's global registration hooks bump a counter), so a step costs one integer comparison. A
 # model whose forward builds modules (``nn.GELU()`` in forward) moves the counter every step, and
 # pays a walk of the module tree per forward.
@@ -429,23 +453,53 @@ def check_no_parameters_added(
         stack.extend((c, f"{prefix}{n}.") for n, c in m._modules.items() if c is not None)
 
 
-def check_not_owned_by_inner(
+def attached_after_wrapping(
+    module: nn.Module,
+    is_wrapper: Callable[[nn.Module], bool],
+    paths_at_wrap: frozenset[str],
+    ignored: IgnoredStates = NOTHING_IGNORED,
+) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``module`` (the wrapped module) that hold parameters at a path it did not have
+    when it was wrapped: attached after wrapping (torch's skip idiom: a module taken out before
+    wrapping and put back after), outermost ones. A module at a path it had is a replaced one."""
+    found: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[nn.Module, str]] = [(module, "")]
+    while stack:
+        m, path = stack.pop()
+        if m is not module and (is_wrapper(m) or ignored.has_module(m)):
+            continue
+        if path not in paths_at_wrap:
+            if any(
+                p is not None for sub in _unwrapped_modules(m, is_wrapper) for p in sub._parameters.values()
+            ):
+                found.append((path, m))
+            continue
+        stack.extend((c, f"{path}.{n}" if path else n) for n, c in m._modules.items() if c is not None)
+    return found
+
+
+def _unwrapped_modules(module: nn.Module, is_wrapper: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    out, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        if m is module or not is_wrapper(m):
+            out.append(m)
+            stack.extend(c for c in m._modules.values() if c is not None)
+    return out
+
+
+def split_tied(
     owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]], others: Iterable[Any] = ()
-) -> None:
-    """Refuse a parameter that an inner wrapper already owns, or any other live wrapper (``others``:
-    a sibling wrapped before, with which it is tied). Wrappers remember their original parameters,
-    the meta ones of a deferred initialization included, in ``_original_params``."""
-    where = [(f"the inner wrapper at {path!r}", w) for path, wrapper in inner for w in wrapper._wrappers()]
-    inner_ids = {id(w) for _, w in where}
-    where += [("another wrapper, made before this one", w) for w in others if id(w) not in inner_ids]
-    for label, w in where:
-        for fqn, p in owned:
-            if w._original_params.get(id(p)) is p:
-                raise ValueError(
-                    f"FullyShardedDataParallel: parameter {fqn!r} is tied to {w._original_names[id(p)]!r} of "
-                    f"{label}; a tied (shared) parameter must be owned by one wrapper. Put both modules that "
-                    "use it in the same FullyShardedDataParallel (e.g. do not wrap the inner one)"
-                )
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """Split ``owned`` into the parameters that are new to wrapping and those that an inner wrapper,
+    or any other live wrapper (``others``: a sibling wrapped before), already owns: tied (shared)
+    with a module of this one. Wrappers remember their original parameters, the meta ones of a
+    deferred initialization included, in ``_original_params``. See [Note: parameters shared across
+    wrappers] in ``fsdp/shared_params.py``."""
+    wrappers = [w for _, wrapper in inner for w in wrapper._wrappers()] + list(others)
+    taken = {id(p) for w in wrappers for p in w._original_params.values()}
+    kept = [(fqn, p) for fqn, p in owned if id(p) not in taken]
+    return kept, [(fqn, p) for fqn, p in owned if id(p) in taken]
 
 
 # module -> weak reference to the live wrapper that flattened its parameters
@@ -561,19 +615,23 @@ def own_parameters(
     dict[str, nn.Module],
     list[tuple[str, Any]],
     list[tuple[str, nn.Parameter]],
+    list[tuple[str, nn.Parameter]],
 ]:
-    """What a new wrapper of ``module`` owns: :func:`collect_owned` after the tie checks (``others``:
-    the live wrappers) and after materializing a unit built on the meta device on ``device``. Also
-    returns the meta parameters that materialization replaced (empty if none). Ignored modules are
-    not materialized (an ignored parameter of a materialized module is, like torch's)."""
+    """What a new wrapper of ``module`` owns: :func:`collect_owned` less the parameters other wrappers
+    own (``others``: the live wrappers), after materializing a unit built on the meta device on
+    ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
+    the names in this wrapper's modules of parameters that another wrapper owns (tied across wrappers,
+    :func:`split_tied`), each with the owner's original parameter. Ignored modules are not
+    materialized (an ignored parameter of a materialized module is, like torch's)."""
     owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
     _check_not_wrapped_already(module_of)
-    check_not_owned_by_inner(owned, inner, others)
-    _check_not_tied_to_ignored(owned, ignored)
+    owned, tied = split_tied(owned, inner, others)
+    _check_not_tied_to_ignored([*owned, *tied], ignored)
     replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
-    if replaced:
+    if replaced:  # (a tied name now holds a materialized stand-in: it stays the owner's parameter)
         owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
-    return owned, module_of, inner, replaced
+        owned = [(fqn, p) for fqn, p in owned if fqn not in {name for name, _ in tied}]
+    return owned, module_of, inner, replaced, tied
 
 
 def _check_not_tied_to_ignored(owned: list[tuple[str, nn.Parameter]], ignored: IgnoredStates) -> None:

@@ -23,7 +23,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,17 +34,23 @@ from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._direct_call import DirectCallMethods, OpenForward
-from fsdp._fairscale_attrs import FairscaleAttributes
+from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
+from fsdp._module_ops import ModuleOps
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
-    TorchFSDPMethods,
+    TorchOptions,
+    adopt_attached,
+    check_full_prec_in_eval,
+    full_precision_in_eval,
     resolve_ignored,
     torch_fsdp_options,
+    torch_options_of,
     without_own_precision,
     wrap_children_with_policy,
 )
+from fsdp._torch_methods import InstanceOrStatic, TorchFSDPMethods
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -71,6 +77,7 @@ from fsdp.consistency import (
 )
 from fsdp.flat_param import (
     IgnoredStates,
+    attached_after_wrapping,
     check_no_parameters_added,
     claim_modules,
     collect_owned,
@@ -90,12 +97,16 @@ from fsdp.handle import (
     free_unused_prefetches,
     make_no_shard_bucketer,
 )
-from fsdp.mixed_precision import cast_inputs, move_owned_buffers, resolve_precision
+from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
+from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
+    group_rank,
+    group_size,
+    is_stand_in,
     materialize_device,
     reduce_scatter_group,
     resolve_groups,
@@ -123,7 +134,8 @@ class _RootContext:
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
-    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is communicated
+    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is reduced
+    keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
     bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
     bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
@@ -139,6 +151,7 @@ class _RootContext:
         self._wrappers = [weakref.ref(w) for w in wrappers]
         self.callback_queued = False
         self.sync = True
+        self.keep_full = False
         self.bucketer = None
         self.bucket_index = {}
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
@@ -166,6 +179,7 @@ class FullyShardedDataParallel(
     StateDictMethods,
     StatsMethods,
     TorchFSDPMethods,
+    ModuleOps,
     DirectCallMethods,
     nn.Module,
 ):
@@ -213,6 +227,18 @@ class FullyShardedDataParallel(
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
+    _pending_ties: list[PendingTie]  # places of parameters owned by a wrapper outside this one
+    _torch_options: TorchOptions  # torch FSDP1's view of the options (its attributes, full precision in eval)
+    _paths_at_wrap: frozenset[
+        str
+    ]  # the wrapped module's submodule paths at construction (ignored ones left out)
+
+    # torch FSDP1's static functions where fairscale has methods of the same names: the class's are
+    # torch's (any model), an instance's fairscale's (see fsdp/_torch_methods.py)
+    summon_full_params = InstanceOrStatic(SummonMethods.summon_full_params, TorchFSDPMethods._summon_any)
+    sharded_optim_state_dict = InstanceOrStatic(
+        StateDictMethods.sharded_optim_state_dict, TorchFSDPMethods._sharded_optim_state_dict_any
+    )
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
 
     def __init__(
@@ -259,7 +285,7 @@ class FullyShardedDataParallel(
         self._frozen = False
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
+        if not (dist.is_available() and (dist.is_initialized() or is_stand_in(process_group))):
             raise RuntimeError(
                 "FullyShardedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
@@ -267,6 +293,11 @@ class FullyShardedDataParallel(
         if not isinstance(sync_module_states, bool):
             raise TypeError(
                 f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
+            )
+        if sync_module_states and is_stand_in(process_group) and group_size(process_group) > 1:
+            raise ValueError(
+                "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
+                "stand-in with rank() and size() cannot communicate; pass the real group"
             )
         torch_options = torch_fsdp_options(
             sharding_strategy,
@@ -298,7 +329,7 @@ class FullyShardedDataParallel(
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
             rs_group = reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
-        dp_size = dist.get_world_size(groups.dp)
+        dp_size = group_size(groups.dp)
         pre = (
             float(gradient_predivide_factor)
             if gradient_predivide_factor
@@ -309,13 +340,6 @@ class FullyShardedDataParallel(
         collected, _, inner = collect_owned(module, is_wrapper, ignored)
         if auto_wrap_policy is not None:
             collected = without_own_precision(collected, module, auto_wrap_policy, mixed_precision, ignored)
-        for path, w in inner:
-            if w._inside_another:
-                raise ValueError(
-                    f"FullyShardedDataParallel: the inner wrapper at {path or '<the wrapped module>'!r} already "
-                    "belongs to another live outer wrapper; wrap each module once (build the model again for a "
-                    "second wrapped copy)"
-                )
         # every option is validated before a meta unit is materialized (dtypes are known on meta)
         config = FSDPConfig(
             sharding=ShardingConfig(
@@ -341,7 +365,7 @@ class FullyShardedDataParallel(
                 groups.replicate,
                 groups.dp,
                 dp_size,
-                dist.get_rank(groups.dp),
+                group_rank(groups.dp),
             ),
             state_dict=StateDictConfig(
                 state_dict_device,
@@ -357,20 +381,26 @@ class FullyShardedDataParallel(
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             # Only now, once every option and every parameter's dtype passed the checks above (those of
             # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
+            existing = {id(w) for _, top in inner for w in top._wrappers()}
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
             )  # (not a subclass's)
             _, _, inner = collect_owned(module, is_wrapper, ignored)
+            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
+                w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
         try:
-            owned, module_of, inner, before = own_parameters(
+            owned, module_of, inner, before, tied = own_parameters(
                 module, is_wrapper, _LIVE, target, param_init_fn, ignored
             )
         finally:
             for w in nested:
                 w._frozen = False
+        # original parameter order of the modules holding owned or tied parameters (before the ties move)
+        owning = {fqn.rpartition(".")[0] for fqn, _ in [*owned, *tied]}
+        self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
         device = choose_compute_device(
             compute_device,
             module,
@@ -384,40 +414,30 @@ class FullyShardedDataParallel(
             broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
         precision = config.precision
         self._fsdp_wrapped_module = module
+        self._torch_style = built_torch_style(options)
         self._outer = None
-        owning = {fqn.rpartition(".")[0] for fqn, _ in owned}
-        self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
-        stats = CommStats()
+        # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
+        # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
+        adopted, originals, orders = adopt_tied(self, module, tied, module_of, nested, _LIVE, is_wrapper)
+        owned = [*owned, *adopted]
         self.handles = []
-        for entries, shared in group_params(owned, flatten_parameters):
-            handle = FlatParamHandle(
-                entries,
-                shared,
-                module_of,
-                self.fsdp_config.comm,
-                device,
-                stats,
-                precision.param_dtype,
-                precision.reduce_dtype,
-                offload.params_to_cpu,
-            )
-            self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
-            self.handles.append(handle)
+        self._build_handles(owned, module_of)
         mark_flattened([*before, *owned])
         claim_modules(self, self._module_param_order)
-        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in [*before, *owned]})
-        self._original_names = {id(p): fqn for fqn, p in [*before, *owned]}  # (meta ones: ties found later)
+        self._module_param_order.update(orders)  # (modules of inner wrappers showing adopted parameters)
+        originals = [*before, *owned, *originals]
+        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in originals})
+        self._original_names = {id(p): fqn for fqn, p in reversed(originals)}  # (meta ones: ties found later)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._ignored = ignored
+        self._paths_at_wrap = frozenset(module_of)
+        self._torch_options = torch_options_of(options, offload.params_to_cpu)
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: is_wrapper(m) or ignored.has_module(m)
         )
         if sync_module_states:
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
             broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
-        for handle in self.handles:  # See [Note: gradient accumulators] in fsdp/grad_hooks.py
-            if handle.requires_grad:
-                handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
@@ -429,11 +449,37 @@ class FullyShardedDataParallel(
             w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         _LIVE.add(self)
 
+    def _build_handles(self, owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn.Module]) -> None:
+        """Flatten and shard ``owned`` into this wrapper's flat parameters, replacing those it had."""
+        for i in range(len(self.handles)):
+            del self._parameters[f"flat_param_{i}"]
+        config, stats = self.fsdp_config, CommStats()
+        self.handles = []
+        for entries, shared in group_params(owned, config.sharding.flatten_parameters):
+            handle = FlatParamHandle(
+                entries,
+                shared,
+                module_of,
+                config.comm,
+                config.compute_device,
+                stats,
+                config.precision.param_dtype,
+                config.precision.reduce_dtype,
+                config.offload.params_to_cpu,
+            )
+            self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
+            self.handles.append(handle)
+            # See [Note: gradient accumulators] in fsdp/grad_hooks.py (every one: a frozen flat parameter
+            # may be unfrozen between steps, and hooks nothing until then)
+            handle.accumulators.on_accumulated = self._make_post_backward_hook(handle)
+
     # ------------------------------------------------------------------ module forwarding
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module (built torch's way), or fairscale's level above it (``FlattenParamsLevel``)."""
+        if self._torch_style:
+            return self._fsdp_wrapped_module
+        return cast(nn.Module, FlattenParamsLevel(self._fsdp_wrapped_module))
 
     def __getattr__(self, name: str) -> Any:
         """Forward missing attributes to the wrapped module."""
@@ -447,6 +493,9 @@ class FullyShardedDataParallel(
     def __getitem__(self, key: int) -> Any:
         """Forward indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def _register_live(self) -> None:
+        _LIVE.add(self)
 
     @property
     def is_root(self) -> bool | None:
@@ -473,46 +522,6 @@ class FullyShardedDataParallel(
 
     def _wrappers(self) -> list[FullyShardedDataParallel]:
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
-
-    def _apply(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-    ) -> FullyShardedDataParallel:
-        """``.half()``, ``.to()``, ``.cuda()`` after wrapping: refused, before anything changes, when
-        they would change a flat parameter's dtype or device (shards, casts and copies were set up
-        for those at construction); allowed when they change nothing."""
-        if self._frozen:  # an outer wrapper's deferred initialization is running
-            return self
-        for w in self._wrappers():
-            for h in w.handles:
-                probe = fn(h.flat_param.detach())
-                if (probe.dtype, probe.device) != (h.flat_param.dtype, h.flat_param.device):
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: .half() / .to() / .cuda() after wrapping would make the flat "
-                        f"parameters {probe.dtype} on {probe.device} (they are {h.flat_param.dtype} on "
-                        f"{h.flat_param.device}). Cast or move the module before wrapping it, or use mixed_precision "
-                        "/ compute_dtype / compute_device"
-                    )
-            cast_to = w.fsdp_config.precision.buffer_dtype
-            for name, original in w._buffer_dtypes.items():  # moved to compute_device, cast to buffer_dtype
-                try:
-                    b = w.module.get_buffer(name)
-                except AttributeError:  # (removed since)
-                    continue
-                if b is None:  # (set to None since: nothing to move)
-                    continue
-                cast = cast_to is not None and b.dtype == cast_to != original  # the wrapper cast it
-                probe = fn(b)
-                if probe.device != b.device or (probe.dtype != b.dtype and cast):
-                    path = wrapper_path(self, w)
-                    name = name if path == "<root>" else f"{path}.{name}"
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: .float() / .half() / .to() / .cuda() after wrapping would make "
-                        f"the buffer {name!r} {probe.dtype} on {probe.device}; the wrapper keeps it "
-                        f"{b.dtype} on {b.device} (buffer_dtype / compute_device). Cast or move the module before "
-                        "wrapping it, or set buffer_dtype"
-                    )
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        return self
 
     @property
     def _ctx(self) -> _RootContext | None:
@@ -556,16 +565,24 @@ class FullyShardedDataParallel(
                     self._ctx.wrappers_as_built()
                 )  # See [Note: parameters added after wrapping]
             return
+        self._require_groups("the first forward")
         wrappers = self._wrappers()
         for w in wrappers[1:]:
-            if w._is_root:  # it ran alone first (an evaluation, say): it becomes one of this root's units
-                if not w._context_is_idle():
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
-                        "root of its own and is not done with it (it is inside its own no_sync()). Leave that "
-                        "no_sync() before the outer wrapper's first forward"
-                    )
-                w._release_context()
+            # It ran alone first (an evaluation, say), or under another outer wrapper that holds it too
+            # (wrapped again for inference after training): it becomes one of this root's units, and
+            # the tree it belonged to is set up again at its next forward.
+            other = w._ctx
+            if other is None:
+                continue
+            if not other.wrappers[0]._context_is_idle():
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: the inner wrapper {wrapper_path(self, w)!r} ran a forward as a "
+                    "root of its own and is not done with it (it is inside its own no_sync()), or belongs to "
+                    "another wrapper tree in the middle of a step. Finish that step before the outer wrapper's "
+                    "first forward"
+                )
+            other.wrappers[0]._release_context()
+        check_no_pending_ties(wrappers, _LIVE)
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
@@ -583,6 +600,7 @@ class FullyShardedDataParallel(
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
+        check_full_prec_in_eval(wrappers)
         _make_bucketer(self, ctx)
 
     def _check_modules(
@@ -607,13 +625,21 @@ class FullyShardedDataParallel(
                 for h in w.handles:
                     if h._placeholders_set:  # a replaced attribute gets its own, sharper message
                         h._check_placeholders()
+                w._adopt_attached(wrapper_path(self, w) or "<root>")
                 check_no_parameters_added(
-                    w.module,
+                    w._fsdp_wrapped_module,
                     lambda m: isinstance(m, FullyShardedDataParallel),
                     wrapper_path(self, w) or "<root>",
                     w._ignored,
                 )
         ctx.registrations = count
+
+    def _adopt_attached(self, where: str) -> None:
+        """Ignore the modules attached inside this wrapper after wrapping (torch's skip idiom)."""
+        is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
+        found = attached_after_wrapping(self.module, is_wrapper, self._paths_at_wrap, self._ignored)
+        if found:
+            self._ignored = adopt_attached(self._ignored, found, self.module, where)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -638,7 +664,12 @@ class FullyShardedDataParallel(
         self.assert_state(TrainingState.IDLE)
         assert self._ctx is not None
         grad_enabled = torch.is_grad_enabled()
-        args, kwargs = self._cast_forward_inputs(args, kwargs)
+        precision = self.fsdp_config.precision
+        full = full_precision_in_eval(
+            self._torch_options, precision.mixed, self.module.training, grad_enabled
+        )
+        if not full:
+            args, kwargs = self._cast_forward_inputs(args, kwargs)
         scheduler = self._ctx.scheduler
         if self._is_root:
             scheduler.start_iteration()
@@ -651,14 +682,17 @@ class FullyShardedDataParallel(
             with record_function("FSDP::all_gather"):
                 scheduler.throttle()
                 for h in self.handles:
-                    h.prefetch()
+                    h.prefetch(full)
                 scheduler.on_forward(self)  # See [Note: prefetch]
                 hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
                 for h in self.handles:
-                    h.unshard()
+                    h.unshard(full)
                     h.use_full_views(as_parameters=False, before_concat=hook)
                     if token is not None:
                         h.accumulators.note(token)
+            if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
+                opened.buffers = buffers_in_dtypes(self.module, self._buffer_dtypes)
+                opened.buffers.__enter__()
         except BaseException:
             self._end_forward(opened)
             raise
@@ -669,10 +703,13 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         try:
-            # Under no_grad no backward follows: nothing is worth keeping. Inside no_sync the
-            # full parameters stay until the next forward. See [Note: no_sync].
+            if opened.buffers is not None:
+                opened.buffers.__exit__(None, None, None)
+            # Under no_grad no backward follows: nothing is worth keeping. Inside
+            # no_sync(keep_full_params=True) the full parameters stay until the next forward.
+            # See [Note: no_sync].
             grad_enabled = opened.token is not None
-            keep_full = grad_enabled and (not self._reshard_after_forward or not ctx.sync)
+            keep_full = grad_enabled and (not self._reshard_after_forward or (not ctx.sync and ctx.keep_full))
             for h in self.handles:
                 h.reshard(free_full=not keep_full)
             if not keep_full and any(h.gathers for h in self.handles):
@@ -707,7 +744,8 @@ class FullyShardedDataParallel(
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Inputs to the compute dtype: under a ``MixedPrecision`` every floating one, recorded by autograd
-        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's).
+        (torch's way); under ``mixed_precision=True`` fp32 ones, the root's cast unrecorded (fairscale's),
+        to fp16 when the compute dtype is fp32 (fairscale's rule, for fp32 compute under autocast).
         Or low precision inputs to fp32 under ``force_input_to_fp32``."""
         precision = self.fsdp_config.precision
         if precision.mixed and (
@@ -715,10 +753,13 @@ class FullyShardedDataParallel(
         ):
             assert precision.param_dtype is not None
             torch_way = precision.torch_input_casts
+            target = precision.param_dtype
+            if not torch_way and target == torch.float32:
+                target = torch.float16
             args, kwargs = cast_inputs(
                 (args, kwargs),
                 None if torch_way else torch.float32,
-                precision.param_dtype,
+                target,
                 detach=bool(self._is_root) and not torch_way,
             )
         if precision.force_input_to_fp32:
@@ -740,7 +781,7 @@ class FullyShardedDataParallel(
         visit_tensors(outputs, hook, opaque)
         if hooked == 0 and opaque and any(h.requires_grad for h in self.handles):
             raise TypeError(
-                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self.module).__name__} "
+                f"FullyShardedDataParallel: cannot find the tensors in the output of {type(self._fsdp_wrapped_module).__name__} "
                 f"(found {', '.join(sorted({type(o).__name__ for o in opaque}))}); return tensors in a tuple, list, "
                 "dict, namedtuple or dataclass so that backward can be hooked"
             )
@@ -794,7 +835,7 @@ class FullyShardedDataParallel(
     def _post_backward(self, handle: FlatParamHandle) -> None:
         if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             raise RuntimeError(
-                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self.module).__name__} "
+                f"FullyShardedDataParallel: a gradient reached the parameters of {type(self._fsdp_wrapped_module).__name__} "
                 f"outside of its backward (state {self.training_state.name}); its outputs were not hooked. "
                 "Compute the loss from the outputs of the FSDP forward"
             )
@@ -809,7 +850,9 @@ class FullyShardedDataParallel(
         self.training_state = TrainingState.BACKWARD_POST
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
-            handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
+            handle.reduce_grad(
+                sync=ctx.sync, bucketed=index is not None, keep_full=self._keeps_full_in_no_sync(ctx)
+            )
             # Finish older reductions as backward goes on, freeing their full gradients now rather
             # than at the end of backward: at most one sent reduction stays in flight.
             if handle.reduction_pending:
@@ -845,11 +888,13 @@ class FullyShardedDataParallel(
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
-            for h in handles:
-                # shard first: a handle that got no gradient in this backward (an unused parameter,
-                # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
-                h.reshard(free_full=ctx.sync)
-                h.finalize_gradient()
+            for w in ctx.wrappers:
+                free = ctx.sync or not w._keeps_full_in_no_sync(ctx)
+                for h in w.handles:
+                    # shard first: a handle that got no gradient in this backward (an unused parameter,
+                    # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
+                    h.reshard(free_full=free)
+                    h.finalize_gradient()
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()
@@ -888,32 +933,45 @@ class FullyShardedDataParallel(
                 h.discard_accumulated_grad()
 
     @contextlib.contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients over several backward passes without any communication.
+    def no_sync(self, keep_full_params: bool = False) -> Generator[None, None, None]:
+        """Accumulate gradients over several backward passes without reducing them (on the root).
 
-        Call it on the root. Inside, each backward adds its gradients locally; the first backward
-        after the context reduces the sum once, so k micro-batches equal one k-times larger batch.
-        Full parameters and gradients of every unit stay in memory meanwhile. See [Note: no_sync].
+        The first backward after the context reduces the sum once: k micro-batches equal one
+        k-times larger batch. Full parameters follow ``reshard_after_forward`` as outside (as in
+        fairscale); ``keep_full_params=True`` keeps every unit's, so nothing is communicated after
+        the first micro-batch. See [Note: no_sync].
         """
+        if not isinstance(keep_full_params, bool):
+            raise TypeError(
+                f"FullyShardedDataParallel.no_sync: keep_full_params must be a bool, got {keep_full_params!r}"
+            )
         self._require_root("no_sync()")
         ctx = self._ctx
         assert ctx is not None
         for w in ctx.wrappers:
             w.assert_state(TrainingState.IDLE)
-        previous, ctx.sync = ctx.sync, False
+        previous = ctx.sync, ctx.keep_full
+        ctx.sync, ctx.keep_full = False, keep_full_params
         try:
             with unsynced(self, (h.flat_param for w in ctx.wrappers for h in w.handles)):
                 yield
         finally:
-            ctx.sync = previous
+            ctx.sync, ctx.keep_full = previous
+
+    def _keeps_full_in_no_sync(self, ctx: _RootContext) -> bool:
+        """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
+        the root and ``reshard_after_forward=False`` do (as outside), every unit does with
+        ``keep_full_params=True``."""
+        return ctx.keep_full or not self._reshard_after_forward
 
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; return that norm.
 
         Call it on the root after backward, on every rank. The norm is computed over every rank's
-        gradient shards (one all-reduce per shard group), so it is identical on all ranks and equal
-        to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count once,
-        with this rank's gradients (they are not reduced).
+        gradient shards (one all-reduce over the data-parallel group; replicas counted once, expert
+        units on smaller groups once per rank that holds them), so it is identical on all ranks and
+        equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count
+        once, with this rank's gradients (they are not reduced).
         """
         self._require_root("clip_grad_norm_()")
         ctx = self._ctx
@@ -926,8 +984,9 @@ class FullyShardedDataParallel(
             )
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
         ignored = {id(p): p for w in ctx.wrappers for p in w._ignored.tensors() if p.requires_grad}
+        group, device = self.fsdp_config.comm.dp_group, self.compute_device
         return clip_grad_norm_(
-            handles, float(max_norm), float(norm_type), self.compute_device, ctx.stats, list(ignored.values())
+            handles, float(max_norm), float(norm_type), device, ctx.stats, [*ignored.values()], group
         )
 
     def _require_root(self, what: str) -> None:
@@ -941,30 +1000,35 @@ class FullyShardedDataParallel(
 
     # ------------------------------------------------------------------ state dicts
     # The methods are in fsdp/_state_methods.py; their bodies in fsdp/state_dict.py and fsdp/optim_state.py.
-    def _state_layout(self) -> Any:
-        """Where every original parameter and buffer of this wrapper tree lives (a ``fsdp.state_dict.Layout``).
+    def _state_layout(self, root: nn.Module | None = None) -> Any:
+        """Where every original parameter and buffer of this wrapper tree lives (a ``fsdp.state_dict.Layout``);
+        of ``root`` instead, a plain module holding this wrapper, when given (torch's whole-model functions).
 
         Used by the state-dict and optimizer-state methods (``StateDictMethods``) and by ``fsdp.checkpoint_io``.
         Every wrapper must be IDLE.
         """
-        wrappers = self._wrappers()
+        root = self if root is None else root
+        wrappers = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
+            w._adopt_attached(w._fsdp_wrapped_module.__class__.__name__)
+        self._require_groups("a state dict or optimizer state")
         units = {
             id(w): sd_impl.UnitSpec(
-                w.module,
+                w._fsdp_wrapped_module,
                 tuple(w.handles),
                 w._module_param_order,
                 w._buffer_dtypes,
-                w.fsdp_config.no_broadcast_optim_state,
+                w.fsdp_config.no_broadcast_optim_state or is_expert(w, self),
                 w._ignored,
+                w.fsdp_config.sharding.flatten_parameters,
             )
             for w in wrappers
         }
         comm = self.fsdp_config.comm
         assert comm.dp_group is not None
         return sd_impl.describe(
-            self, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
+            root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
         )
 
 

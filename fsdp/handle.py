@@ -51,22 +51,28 @@ the hook waits rather than polls. A reduction followed by an all-reduce across r
 or sending a bucket from here would change the order of collectives the schedule relies on.
 
 [Note: no_sync]
-Inside ``no_sync`` no collective runs after the first forward: each handle keeps its full
-parameter from forward to the next forward (its validity is tracked by ``flat_param._version``), and
-the post-backward hook adds the full gradient into ``_grad_acc`` (the master dtype) instead of
-reducing it. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
+Inside ``no_sync`` the post-backward hook adds the full gradient into ``_grad_acc`` (the master
+dtype) instead of reducing it. The full parameters follow ``reshard_after_forward`` as outside (as
+in fairscale and torch FSDP1): a unit that frees them after forward gathers them again for its
+backward and frees them after it, the root and ``reshard_after_forward=False`` keep theirs from
+forward to the next forward (their validity is tracked by ``flat_param._version``). So a window of
+micro-batches holds the shards, one full gradient per unit and the units being computed, and
+all-gathers as a plain step does. ``no_sync(keep_full_params=True)`` keeps every unit's full
+parameters instead: no collective runs after the first forward, for the memory of the unsharded
+model. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
 the sum once, so k micro-batches cost one reduction, exactly like one large batch. The sum is kept in
 the master dtype and reduced in the dtype of the gradient it joins (the compute dtype under mixed
 precision, unless a reduce dtype is set), so the reduction moves the bytes of any other step.
 ``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model; an
 optimizer's ``zero_grad()`` cannot see it. When the full
 parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
-``.grad`` directly and nothing needs to be kept. The price is memory: full parameters and full
-gradients of every unit stay allocated inside the context.
+``.grad`` directly and nothing needs to be kept. The price is memory: a full gradient per unit
+stays allocated inside the context (with ``keep_full_params``, every unit's full parameters too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -214,46 +220,103 @@ class FlatParamHandle:
         # that is where it is anyway, and nothing changes.
         self.compute_device = device  # where the full parameter and the collectives live
         self.offloaded = offload and device.type != "cpu"
-        self.copies = SideCopies.for_device(device) if self.offloaded and device.type == "cuda" else None
-        self._grad_copy = None
         if comm.world_size == 1 and not self.mixed and not self.offloaded:
-            self._shard = self._full = padded
+            self._shard = padded
         else:
             self._shard = padded[self.spec.start : self.spec.end].clone()
             if self.offloaded:
                 self._shard = DeviceHandle(device).pin_memory(self._shard.cpu())
-            if self.mixed:
-                self._full = torch.empty(self.spec.padded_numel, dtype=self.compute_dtype, device=device)
-            else:
-                self._full = padded
+        self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
+        self._start_sharded(padded)
+
+    def _start_sharded(self, padded: torch.Tensor | None = None) -> None:
+        """The state of a handle between steps, around its shard (``flat_param.data``): full
+        buffers made and freed, no gradient in flight, hooks and stand-ins installed."""
+        cuda = self.offloaded and self.compute_device.type == "cuda"
+        self.copies = SideCopies.for_device(self.compute_device) if cuda else None
+        self._grad_copy = None
+        self._make_full_buffers(padded)
+        self.state = MemoryState.SHARDED
+        self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
+        self._grad_acc = self._full_grad = None
+        self._all_reduce_after = self._bucketed = self.reduced_this_backward = False
+        self.accumulators = AccumulatorHooks(self.flat_param)
+        self._placeholders = [
+            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
+            for info in self.meta.params
+        ]
+        self.remove_module_tensors()
+
+    def _make_full_buffers(self, padded: torch.Tensor | None = None) -> None:
+        """The buffers derived from the shard, for its dtype and the compute dtype and device, all
+        freed: ``_full`` (``_shard`` itself when aliased), ``_full_precision`` and ``_lp_shard`` under
+        mixed precision, ``_lp_shard`` under offload. ``padded`` (the full master-dtype values at
+        construction) lends its storage to a full buffer of its dtype."""
+        device, numel = self.compute_device, self.spec.padded_numel
+        if self.spec.world_size == 1 and not self.mixed and not self.offloaded:
+            self._full = self._shard
+        elif self.mixed or padded is None:
+            self._full = torch.empty(numel, dtype=self.compute_dtype, device=device)
+            _free_storage(self._full)
+        else:
+            self._full = padded
             _free_storage(self._full)
         self._full_precision = self._lp_shard = None
-        if self.mixed:
-            self._full_precision = padded  # the master-dtype full buffer (summon, state dict)
+        if self.mixed:  # the master-dtype full buffer (summon, state dict)
+            self._full_precision = (
+                padded if padded is not None else torch.empty(numel, dtype=self.meta.dtype, device=device)
+            )
             _free_storage(self._full_precision)
         if self.mixed or self.offloaded:
             self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
             _free_storage(self._lp_shard)
         self._active = self._full
-        self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
-        self.state = MemoryState.SHARDED
         self._full_valid = self.aliased
         self._full_version = -1
-        self._saved_grad_shard = None
-        self._pending = None
-        self._gathering = None
-        self.rs_bucketer = None
-        self._all_reduce_after = False
-        self._grad_acc = None
-        self._bucketed = False
-        self.reduced_this_backward = False
-        self._full_grad = None
-        self.accumulators = AccumulatorHooks(self.flat_param)
-        self._placeholders = [
-            make_placeholder(info.fqn, info.shape, self.meta.dtype, self.meta.requires_grad)
-            for info in self.meta.params
-        ]
-        self.remove_module_tensors()
+
+    def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
+        """``module.half()`` / ``.to()`` / ``.cuda()`` replaced ``flat_param.data`` between steps: the
+        new tensor is the shard, the master dtype is its dtype, the compute dtype ``param_dtype`` (its
+        own without mixed precision) and the compute ``device``; every buffer derived from the shard
+        is made again (freed), and the stand-ins of the original parameters take the new dtype."""
+        assert self.state is MemoryState.SHARDED and self._gathering is None, "converted while unsharded"
+        self._free_full()  # (a compute buffer kept from a forward holds the old values)
+        data = self.flat_param.data
+        self.compute_device = device
+        if self.offloaded:  # (the device stays the host: a conversion moving it is refused before)
+            data = DeviceHandle(device).pin_memory(data)
+            self.flat_param.data = data
+        self._shard = data
+        self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
+        self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
+        grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
+        self._start_sharded()
+        if grad_acc is not None:
+            self._grad_acc = grad_acc.to(device=device, dtype=data.dtype)
+
+    # ------------------------------------------------------------------ copies
+    # What a copy or a pickle of the handle keeps: its layout, its flat parameter (the shard, its data)
+    # and its modules; the rest is made anew (freed full buffers, hooks) or dropped (the process
+    # groups: the wrapper gives them back; gradients, as a copied nn.Parameter has none).
+    # See [Note: copies of a wrapped model] in fsdp/_module_ops.py.
+    _COPIED = (
+        "meta", "spec", "modules", "shared_modules", "flat_param", "compute_dtype", "reduce_dtype",
+        "compute_device", "offloaded",
+    )  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        assert self.state is MemoryState.SHARDED and self._gathering is None, "copied while unsharded"
+        return {name: getattr(self, name) for name in self._COPIED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.comm = None  # type: ignore[assignment]  # (set by the wrapper right after)
+        self.stats, self.memory = CommStats(), MemoryStats()
+        self._shard = self.flat_param.data
+        if self.offloaded:
+            self._shard = self.flat_param.data = DeviceHandle(self.compute_device).pin_memory(self._shard)
+        self.flat_param.grad = None
+        self._start_sharded()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -291,7 +354,9 @@ class FlatParamHandle:
 
     @property
     def requires_grad(self) -> bool:
-        return self.meta.requires_grad
+        """Whether the flat parameter trains now: set at construction by the originals' flag, and
+        changed since by ``requires_grad_()`` on it (``use_orig_params=True``: one per parameter)."""
+        return self.flat_param.requires_grad
 
     def sharded_data(self) -> torch.Tensor:
         """This rank's shard (what ``flat_param.data`` is between steps)."""
@@ -591,7 +656,7 @@ class FlatParamHandle:
         self._saved_grad_shard = grad
         self.flat_param.grad = None
 
-    def reduce_grad(self, sync: bool = True, bucketed: bool = False) -> None:
+    def reduce_grad(self, sync: bool = True, bucketed: bool = False, keep_full: bool = True) -> None:
         """Launch the reduction of the full gradient; reshard. Runs in the post-backward hook.
 
         Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
@@ -600,8 +665,8 @@ class FlatParamHandle:
         With a replicate group (NO_SHARD, HYBRID_SHARD) the shard is then all-reduced across it.
 
         With ``sync=False`` (inside ``no_sync``) nothing is communicated: the full gradient is added
-        to a local accumulator and the full parameter is kept for the next forward. See
-        [Note: no_sync].
+        to a local accumulator, and the full parameter is kept for the next forward with
+        ``keep_full``, else freed. See [Note: no_sync].
 
         With ``bucketed`` (NO_SHARD under a root that owns a bucket engine) nothing is launched here:
         the gradient is left on ``flat_param.grad`` in the master dtype, for the engine to reduce
@@ -616,7 +681,7 @@ class FlatParamHandle:
                 self.flat_param.grad = None
                 acc = grad.to(self.meta.dtype)
                 self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
-            self.reshard(free_full=False)
+            self.reshard(free_full=not keep_full)
             return
         self.flat_param.grad = None
         if self._grad_acc is not None:  # the sum is reduced in the dtype a plain backward reduces in
@@ -736,41 +801,48 @@ def clip_grad_norm_(
     device: torch.device,
     stats: CommStats,
     plain: Sequence[torch.Tensor] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the shard gradients of ``handles`` and the gradients of the ``plain`` parameters
     (ignored ones: the same on every rank, not sharded) by their global ``norm_type``-norm; return
     the norm.
 
-    ``|g|^p`` is summed (max for the inf-norm) over the local shards per shard group, padding
-    contributing zeros, and all-reduced once per group; unsharded (NO_SHARD) gradients are complete
-    locally, so replicas are never counted twice, and neither are ``plain`` gradients, which are
-    added locally after the reductions. Collective over the shard groups.
+    ``group`` is the data-parallel group of the root (every rank that trains the model). Each rank
+    adds ``|g|^p`` (max for the inf-norm) of the shards it holds, padding contributing zeros, and
+    one all-reduce over ``group`` sums them. A shard that several ranks hold (the replicas of
+    ``NO_SHARD`` and ``HYBRID_SHARD``) is counted by the first rank of its replicate group only, and
+    a unit sharded over a smaller group than ``group`` (an expert on a per-rank group: each rank holds
+    other parameters) is counted on each rank that holds a part of it, so every parameter of the
+    model counts once. ``plain`` gradients are added locally after the reduction. Collective over
+    ``group``. Example, world size 2, a shared unit sharded over both ranks (shard norms² 3 and 4)
+    and an expert per rank on a one-rank group (norms² 5 and 6)::
+
+        rank 0: 3 + 5, rank 1: 4 + 6 -> all-reduce: 18 on both -> norm sqrt(18) on both
     """
     p = norm_type
     if not (p > 0):  # also NaN; -inf and p <= 0 are no norms of the concatenated gradients
         raise ValueError(
             f"clip_grad_norm_: norm_type must be > 0 (or math.inf), got {norm_type}; use 2.0 for the usual norm"
         )
-    partial: dict[int, tuple[dist.ProcessGroup | None, torch.Tensor]] = {}
+    first_replica: dict[int, bool] = {}  # id(replicate group) -> this rank is its first
+    total = torch.zeros((), device=device)
     for h in handles:
+        replicas = h.comm.replicate_group
+        if replicas is not None:
+            if id(replicas) not in first_replica:
+                first_replica[id(replicas)] = dist.get_rank(replicas) == 0
+            if not first_replica[id(replicas)]:
+                continue  # another rank counts this shard
         grad = h.flat_param.grad
         if grad is None or grad.numel() == 0:
-            value = torch.zeros((), device=device)
-        elif p == math.inf:
-            value = grad.detach().abs().max().float()
+            continue
+        if p == math.inf:
+            total = torch.maximum(total, grad.detach().abs().max().float().to(device))
         else:
-            value = torch.linalg.vector_norm(grad.detach().float(), p) ** p
-        group = h.comm.process_group if h.spec.world_size > 1 else None
-        if id(group) in partial:
-            old = partial[id(group)][1]
-            value = torch.maximum(old, value.to(device)) if p == math.inf else old + value.to(device)
-        partial[id(group)] = (group, value.to(device))
-    total = torch.zeros((), device=device)
-    for group, value in partial.values():
-        if group is not None:
-            op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-            all_reduce(value, group, op=op, stats=stats).wait()
-        total = torch.maximum(total, value) if p == math.inf else total + value
+            total = total + (torch.linalg.vector_norm(grad.detach().float(), p) ** p).to(device)
+    if group is not None:
+        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+        all_reduce(total, group, op=op, stats=stats).wait()
     for param in plain:
         if param.grad is not None and param.grad.numel() > 0:
             g = param.grad.detach()

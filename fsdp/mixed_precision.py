@@ -6,8 +6,9 @@ reduction, lives with the tensors in :mod:`fsdp.handle`; see [Note: flat paramet
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from fsdp.api import MixedPrecision, PrecisionConfig, from_torch_fsdp
 
-__all__ = ["cast_inputs", "move_owned_buffers", "resolve_precision"]
+__all__ = ["buffers_in_dtypes", "cast_inputs", "move_owned_buffers", "resolve_precision"]
 
 
 def resolve_precision(
@@ -178,3 +179,27 @@ def move_owned_buffers(
         ]
         stack.extend(reversed(children))
     return original
+
+
+@contextlib.contextmanager
+def buffers_in_dtypes(module: nn.Module, dtypes: Mapping[str, torch.dtype]) -> Iterator[None]:
+    """Inside, each buffer named in ``dtypes`` (relative to ``module``) is a copy in that dtype where it
+    differs; on exit the copies are written back (cast) into the buffers, which are put back. A
+    full-precision forward in eval mode (torch's ``FSDP_USE_FULL_PREC_IN_EVAL``) runs this way."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for name, dtype in dtypes.items():
+        owner_path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        kept = owner._buffers.get(attr)
+        if kept is not None and kept.dtype != dtype:
+            owner._buffers[attr] = kept.to(dtype)
+            swapped.append((owner, attr, kept))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, attr, kept in swapped:
+                used = owner._buffers[attr]
+                if used is not None:
+                    kept.copy_(used)
+                owner._buffers[attr] = kept

@@ -35,10 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from fsdp.handle import FlatParamHandle
+from fsdp.optim_fairscale import fairscale_order, one_rank_singletons, to_fairscale_form
 from fsdp.state_layout import (
     IgnoredSlot,
     Layout,
@@ -47,6 +46,7 @@ from fsdp.state_layout import (
     digest_of,
     empty_sharded,
     gather_full_flat,
+    is_dtensor,
     shard_writes,
     to_sharded,
     value_kind,
@@ -99,6 +99,13 @@ def _groups_of(layout: Layout, optim: torch.optim.Optimizer) -> list[list[Item]]
     return groups
 
 
+def _canonical(layout: Layout, items: Sequence[Item]) -> list[Item]:
+    """``items`` (one param group's) in the model's order: the order collectives run in, the same on
+    every rank whatever order each rank's optimizer lists its parameters in (torch allows that)."""
+    position = {id(h): i for i, h in enumerate(layout.items)}
+    return sorted(items, key=lambda h: position[id(h)])
+
+
 def _flat_states(optim: Any) -> dict[int, Mapping[str, Any]]:
     """The optimizer's state per parameter, keyed by ``id(parameter)``. A torch optimizer's ``state``
     is read directly; an optimizer wrapper without one (fairseq's) through ``state_dict()``, whose
@@ -142,30 +149,46 @@ def _plain_state_kinds(slot: IgnoredSlot, state: Mapping[str, Any]) -> dict[str,
     return _state_kinds(state, tuple(slot.shape), "full")
 
 
-def _agreed_structure(layout: Layout, optim: torch.optim.Optimizer, what: str) -> list[list[Item]]:
+def _agreed_structure(
+    layout: Layout, optim: torch.optim.Optimizer, what: str, uncollected: bool = False
+) -> list[list[Item]]:
     """:func:`_structure`, with every rank agreeing that it succeeded and matches (else all raise)."""
     error, shape = None, None
     groups: list[list[Item]] = []
     try:
-        groups, shape = _structure(layout, optim)
+        groups, shape = _structure(layout, optim, uncollected)
     except (ValueError, NotImplementedError) as e:
         error = str(e)
     agree(layout, error, what, digest_of(shape))
     return groups
 
 
-def _structure(layout: Layout, optim: torch.optim.Optimizer) -> tuple[list[list[Item]], list[Any]]:
-    """The optimizer's groups over handles, and a description every rank must share (checked by :func:`agree`)."""
+def _structure(
+    layout: Layout, optim: torch.optim.Optimizer, uncollected: bool = False
+) -> tuple[list[list[Item]], list[Any]]:
+    """The optimizer's groups over handles, and a description every rank must share (checked by
+    :func:`agree`). ``uncollected``: units with ``no_broadcast_optim_state`` (experts) are allowed
+    when each holds its parameters whole (a one-rank group), as fairscale's gather keeps them."""
     for unit in layout.units:
-        if unit.no_broadcast_optim_state:
+        if unit.no_broadcast_optim_state and not uncollected:
             raise NotImplementedError(
                 f"the wrapper at {unit.path or '<root>'!r} has no_broadcast_optim_state=True (fairscale's option for "
-                "expert-parallel units); its optimizer state cannot be gathered or resharded yet"
+                "expert-parallel units, set for a wrapper on a one-rank group inside a larger root): each rank holds "
+                "other parameters under its names, so its optimizer state cannot be sharded by name; use "
+                "gather_full_optim_state_dict(), which keeps the recipient's own experts' state as fairscale does"
+            )
+        if unit.no_broadcast_optim_state and any(h.spec.world_size > 1 for h in unit.handles):
+            raise NotImplementedError(
+                f"the wrapper at {unit.path or '<root>'!r} has no_broadcast_optim_state=True but is sharded over "
+                f"{unit.handles[0].spec.world_size} ranks: its state is not gathered, so no rank holds it whole. "
+                "Give such a wrapper a one-rank process group, or leave the flag unset"
             )
     groups = _groups_of(layout, optim)
     position = {id(h): i for i, h in enumerate(layout.items)}
     states = _flat_states(optim)
-    shape = [[(position[id(h)], _kinds_of(h, states)) for h in handles] for handles in groups]
+    shape = [
+        [(position[id(h)], _kinds_of(h, states)) for h in _canonical(layout, handles)] for handles in groups
+    ]
     return groups, shape
 
 
@@ -197,25 +220,32 @@ def _copy(value: Any, device: torch.device | None = None) -> Any:
 
 # ---------------------------------------------------------------------- full optimizer state dict
 def gather_full_optim_state_dict(
-    layout: Layout, optim: torch.optim.Optimizer, recipient_rank: int = 0, device: torch.device | None = None
+    layout: Layout,
+    optim: torch.optim.Optimizer,
+    recipient_rank: int = 0,
+    device: torch.device | None = None,
+    fairscale_form: bool = False,
 ) -> dict[str, Any] | None:
     """The optimizer state per original parameter, on ``recipient_rank`` only (None elsewhere). Collective.
 
     Per-element state is gathered one flat parameter at a time and moved to ``device`` (default:
     the CPU), so the recipient needs room for the whole optimizer state there, the others for one
-    flat parameter's at a time.
+    flat parameter's at a time. With ``fairscale_form`` the dict is also fairscale's (see
+    [Note: fairscale's optimizer state form] in ``fsdp/optim_fairscale.py``); without it, the state of experts
+    (``no_broadcast_optim_state``) is refused.
     """
     if not 0 <= recipient_rank < layout.world_size:
         raise ValueError(f"recipient_rank must be in [0, {layout.world_size}), got {recipient_rank}")
     device = device if device is not None else torch.device("cpu")
-    groups = _agreed_structure(layout, optim, "gather_full_optim_state_dict")
+    groups = _agreed_structure(layout, optim, "gather_full_optim_state_dict", fairscale_form)
     keep = layout.rank == recipient_rank
     ordered = _plain_order(layout, groups)
     ids = {name: i for i, name in enumerate(n for group in ordered for n in group)}
+    uncollected = {id(h) for u in layout.units if u.no_broadcast_optim_state for h in u.handles}
     state: dict[int, dict[str, Any]] = {}
     states = _flat_states(optim)
     for handles in groups:
-        for h in handles:
+        for h in _canonical(layout, handles):
             if isinstance(h, IgnoredSlot):  # this rank's own state (the recipient's is kept)
                 if keep and states.get(id(h.param)):
                     state[ids[h.name]] = {k: _copy(v, device) for k, v in states[id(h.param)].items()}
@@ -225,7 +255,7 @@ def gather_full_optim_state_dict(
             per_param: list[dict[str, Any]] = [{} for _ in slots]
             for key, kind in sorted(_flat_state_kinds(h, flat_state).items()):  # same order on every rank
                 if kind == "shard":
-                    full = gather_full_flat(h, flat_state[key])
+                    full = gather_full_flat(h, flat_state[key])  # (an expert's: its one rank's, whole)
                     if keep:
                         for entry, slot in zip(per_param, slots, strict=True):
                             entry[key] = slot.view(full).to(device, copy=True)
@@ -250,12 +280,17 @@ def gather_full_optim_state_dict(
     extras = {
         k: copy.deepcopy(v) for k, v in optim.state_dict().items() if k not in ("state", "param_groups")
     }
-    return {
-        **extras,
-        "state": dict(sorted(state.items())),
-        "param_groups": param_groups,
-        "param_names": names,
-    }
+    out = {**extras, "state": dict(sorted(state.items())), "param_groups": param_groups, "param_names": names}
+    if fairscale_form:  # See [Note: fairscale's optimizer state form] in fsdp/optim_fairscale.py
+        id_map: dict[int, int | None] = {}
+        uncollected_ids = []
+        for local, item in enumerate(h for handles in groups for h in handles):
+            stateful = bool(states.get(id(_param(item))))
+            id_map.update((ids[slot.name], local if stateful else None) for slot in _slots(layout, item))
+            if id(item) in uncollected:
+                uncollected_ids.append(local)
+        to_fairscale_form(out, id_map, uncollected_ids)
+    return out
 
 
 def _elementwise_keys(per_param: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -323,17 +358,6 @@ def _same(a: Any, b: Any) -> bool:
         return True
 
 
-def _fairscale_order(layout: Layout) -> list[str]:
-    """How fairscale numbers a gathered state dict's parameters: wrapper by wrapper (outermost first,
-    in module order), each wrapper's own parameters in its module's ``named_parameters()`` order."""
-    position = {slot.name: k for k, slot in enumerate(layout.params)}
-    order = []
-    for unit in layout.units:
-        names = [slot.name for h in unit.handles for slot in layout.slots(h)]
-        order += sorted(names, key=position.__getitem__)
-    return order
-
-
 def _canonical_names(
     layout: Layout, groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], where: str
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -352,19 +376,6 @@ def _canonical_names(
             )
         canonical[name] = value
     return renamed, canonical
-
-
-def _one_rank_singletons(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    """fairscale keeps 0-dim state as a list with one tensor per saving rank; take this rank's (or the first)."""
-    out = dict(entry)
-    for key, value in entry.items():
-        if (
-            isinstance(value, list)
-            and value
-            and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in value)
-        ):
-            out[key] = value[rank] if rank < len(value) else value[0]
-    return out
 
 
 def get_shard_from_optim_state_dict(
@@ -391,12 +402,7 @@ def get_shard_from_optim_state_dict(
         all_ids = [i for group in saved_groups for i in group["params"]]
         name_of: dict[Any, str] = {i: i for i in all_ids}
     elif fairscale:
-        if full.get("uncollected_local_ids"):
-            raise NotImplementedError(
-                f"{where}: the state dict holds fairscale's uncollected (no_broadcast_optim_state) entries "
-                f"{full['uncollected_local_ids']}; they cannot be resharded"
-            )
-        order = _fairscale_order(layout)
+        order = fairscale_order(layout)
         if len(full["param_id_map"]) != len(order) or sorted(all_ids) != list(range(len(order))):
             raise ValueError(
                 f"{where}: the fairscale state dict numbers {len(full['param_id_map'])} parameters, this model "
@@ -421,6 +427,14 @@ def get_shard_from_optim_state_dict(
         name_of = dict(zip(all_ids, candidates[0], strict=True))
     else:
         name_of = dict(enumerate(names))
+    if full.get("uncollected_local_ids"):
+        warnings.warn(
+            f"{where}: the optimizer state of the expert wrappers (no_broadcast_optim_state, local ids "
+            f"{full['uncollected_local_ids']}) is the saving rank's own experts'; every rank loads it as it is, as "
+            "fairscale does. Restore each rank's experts' state from that rank's own optimizer.state_dict() "
+            "if they differ",
+            stacklevel=3,
+        )
     slot_of: dict[str, ParamSlot | IgnoredSlot] = {
         n: s for s in layout.every_param() for n in (s.name, *s.aliases)
     }
@@ -440,7 +454,7 @@ def get_shard_from_optim_state_dict(
                 )
             entry = saved_state.get(i, saved_state.get(str(i)))
             if entry and fairscale:
-                entry = _one_rank_singletons(entry, layout.rank)
+                entry = one_rank_singletons(entry, layout.rank)
             if entry:
                 per_name[slot.name] = entry
     covered = [h for h in layout.items if id(h) in group_of]
@@ -502,7 +516,7 @@ def sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer) -> di
     mesh = layout.mesh()
     per_name: dict[str, dict[str, Any]] = {}
     for handles in groups:
-        for h in handles:
+        for h in _canonical(layout, handles):
             if isinstance(h, IgnoredSlot):  # this rank's own, as plain tensors
                 if optim.state.get(h.param):
                     per_name[h.name] = {k: _copy(v) for k, v in optim.state[h.param].items()}
@@ -542,6 +556,8 @@ def sharded_optim_state_dict_template(
     ``storage`` is ``Metadata.state_dict_metadata``; the optimizer state sits under ``prefix``
     (e.g. ``"optim."``). Returns the template and the problems found (unknown parameters, shapes).
     """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     mesh = layout.mesh()
     slot_of: dict[str, ParamSlot | IgnoredSlot] = {s.name: s for s in layout.every_param()}
     state: dict[str, dict[str, Any]] = {}
@@ -657,7 +673,7 @@ def check_sharded_optim_state_dict(
     plan.elementwise = _elementwise_keys(plan.entries)
     kinds: list[Any] = []
     for handles in plan.groups:
-        for h in handles:
+        for h in _canonical(layout, handles):
             for slot in _slots(layout, h):
                 entry = plan.entries.get(slot.name, {})
                 for key in sorted(plan.elementwise & entry.keys()):
@@ -678,21 +694,15 @@ def check_sharded_optim_state_dict(
 
 def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer, plan: OptimLoadPlan) -> None:
     """Load a checked plan into ``optim``. Collective; every rank must have agreed on the plan."""
-    state: dict[int, dict[str, Any]] = {}
-    param_groups = []
-    next_id = 0
-    for g, handles in enumerate(plan.groups):
-        group = dict(plan.param_groups[g])
-        group["params"] = []
-        for h in handles:
+    loaded: dict[int, dict[str, Any]] = {}  # id(item) -> its state, built in the model's order (collective)
+    for handles in plan.groups:
+        for h in _canonical(layout, handles):
             if isinstance(h, IgnoredSlot):
                 entry = plan.entries.get(h.name)
                 if entry:
-                    state[next_id] = {
-                        k: v.full_tensor() if isinstance(v, DTensor) else _copy(v) for k, v in entry.items()
+                    loaded[id(h)] = {
+                        k: v.full_tensor() if is_dtensor(v) else _copy(v) for k, v in entry.items()
                     }
-                group["params"].append(next_id)
-                next_id += 1
                 continue
             slots = layout.slots(h)
             entries = [plan.entries.get(s.name) for s in slots]
@@ -709,7 +719,16 @@ def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer,
                         flat[key] = shard
                     else:
                         flat[key] = _copy(next(v for v in values if v is not None))
-                state[next_id] = flat
+                loaded[id(h)] = flat
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    next_id = 0
+    for g, handles in enumerate(plan.groups):  # ids in this rank's optimizer's own order
+        group = dict(plan.param_groups[g])
+        group["params"] = []
+        for h in handles:
+            if id(h) in loaded:
+                state[next_id] = loaded[id(h)]
             group["params"].append(next_id)
             next_id += 1
         if "param_names" in optim.param_groups[g]:

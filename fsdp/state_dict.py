@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.api import TrainingState
@@ -59,6 +58,7 @@ from fsdp.state_layout import (
     digest_of,
     empty_sharded,
     gather_full_flat,
+    is_dtensor,
     row_range,
     shard_writes,
     to_sharded,
@@ -263,7 +263,7 @@ def apply_sharded_state_dict(layout: Layout, plan: ShardedLoadPlan) -> NamedTupl
         for name, tensor in plain:
             value = plan.values.get(name)
             if value is not None:
-                tensor.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+                tensor.copy_(value.full_tensor() if is_dtensor(value) else value)
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
 
@@ -552,6 +552,7 @@ def _load_renamed(
             errors_out.append(line)
     elif errors:
         raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
+            f"Error(s) in loading state_dict for {type(root._fsdp_wrapped_module).__name__}:\n\t"
+            + "\n\t".join(errors)
         )
     return _IncompatibleKeys(missing, unexpected)

@@ -19,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp._device import SideCopies
 from fsdp.collectives import all_gather, all_gather_ints, digest_of_text
@@ -36,6 +35,9 @@ from fsdp.consistency import CHECKPOINT_WRAPPED, is_activation_wrapper
 from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates, ParamInfo
 from fsdp.handle import FlatParamHandle
 from fsdp.sharding import intersect
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs about 0.5 s to import
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "BufferSlot",
@@ -70,6 +72,7 @@ class UnitSpec:
     ]  # owned buffer (name relative to `wrapped`) -> dtype before wrapping
     no_broadcast_optim_state: bool = False
     ignored: IgnoredStates = NOTHING_IGNORED  # what the wrapper leaves alone
+    flatten: bool = True  # flatten_parameters: False names each (one-parameter) handle by its parameter
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Unit:
     path: str  # the wrapper's module path in the unwrapped model ("" for the root)
     handles: tuple[FlatParamHandle, ...]
     no_broadcast_optim_state: bool
+    flatten: bool = True  # flatten_parameters of the wrapper
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,13 @@ class Layout:
         return hashlib.sha1("\n".join(lines).encode()).hexdigest()
 
     def mesh(self) -> DeviceMesh:
+        if not isinstance(self.group, dist.ProcessGroup):  # a stand-in with rank() and size()
+            raise RuntimeError(
+                "FullyShardedDataParallel: sharded (DTensor) state dicts and torch.distributed.checkpoint need a "
+                "torch.distributed process group, and this model was built with a stand-in (rank() and size() "
+                "only) or unpickled without one. Use state_dict() / local_state_dict(), or call "
+                "init_process_group() and set model.process_group = <group> on every wrapper"
+            )
         return DeviceMesh.from_group(self.group, self.device.type)
 
 
@@ -193,7 +204,9 @@ def describe(
     """Walk the wrapper tree as ``nn.Module.state_dict`` walks the unwrapped model.
 
     ``units`` maps ``id(wrapper)`` to its :class:`UnitSpec`; a wrapper is transparent (its wrapped
-    module takes its place and its name), so names come out as in the unwrapped model.
+    module takes its place and its name), so names come out as in the unwrapped model. ``root`` may
+    be a plain module holding wrappers (torch's whole-model functions): its parameters above them
+    are plain ones, listed as ignored parameters are (:class:`IgnoredSlot`).
     """
     where: dict[tuple[int, str], tuple[FlatParamHandle, int]] = {}
     for spec in units.values():
@@ -222,7 +235,12 @@ def describe(
         wrapper_spec = units.get(id(m))
         if wrapper_spec is not None:
             found.append(
-                Unit(prefix[:-1], tuple(wrapper_spec.handles), wrapper_spec.no_broadcast_optim_state)
+                Unit(
+                    prefix[:-1],
+                    tuple(wrapper_spec.handles),
+                    wrapper_spec.no_broadcast_optim_state,
+                    wrapper_spec.flatten,
+                )
             )
             items.extend(wrapper_spec.handles)
             stack.append((wrapper_spec.wrapped, prefix, wrapper_spec, "", False))
@@ -238,10 +256,10 @@ def describe(
             if loc is None and pname in m._parameters and m._parameters[pname] is None:
                 continue  # e.g. Linear(bias=False): registered as None, not in the state dict
             value = m._parameters.get(pname)
-            if (
+            if (  # ignored, or above every wrapper (a plain root's own): a plain parameter
                 loc is None
                 and value is not None
-                and (inside or (owner and owner.ignored.has_param(m, pname)))
+                and (inside or owner is None or owner.ignored.has_param(m, pname))
             ):
                 if id(value) not in ignored:
                     ignored[id(value)] = (m, pname, [])
@@ -369,12 +387,22 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """``isinstance(value, DTensor)`` without importing ``torch.distributed.tensor``: no DTensor
+    exists before that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def _row_sharded(local: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> DTensor:
     """``local`` as this rank's rows of a ``Shard(0)`` DTensor of ``shape``, left where it is.
 
     ``DTensor.from_local`` would copy host rows to the mesh's device (CUDA under offload); the
     constructor keeps them on the host, as torch's FSDP2 does for its offloaded parameters.
     """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
     meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
     spec = DTensorSpec(mesh=mesh, placements=(Shard(0),), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
@@ -424,9 +452,12 @@ def gather_full_flat(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tens
 
 
 def _is_rows(value: torch.Tensor, layout: Layout) -> bool:
+    if not is_dtensor(value):
+        return False
+    from torch.distributed.tensor import Shard
+
     return (
-        isinstance(value, DTensor)
-        and value.dim() > 0
+        value.dim() > 0
         and tuple(value.placements) == (Shard(0),)
         and value.device_mesh.size() == layout.world_size
     )
@@ -436,7 +467,7 @@ def value_kind(value: torch.Tensor, layout: Layout) -> str:
     """How :func:`shard_writes` reads a value: "rows" (this rank's rows), "dtensor" (any other DTensor), "full"."""
     if _is_rows(value, layout):
         return "rows"
-    return "dtensor" if isinstance(value, DTensor) else "full"
+    return "dtensor" if is_dtensor(value) else "full"
 
 
 def shard_writes(
@@ -461,7 +492,7 @@ def shard_writes(
         pos = 0
         for i in rows_at:
             value = values[i]
-            assert isinstance(value, DTensor)
+            assert is_dtensor(value)
             local = value.to_local().reshape(-1)
             assert local.numel() == lengths[layout.rank][rows_at.index(i)], "rows do not follow torch.chunk"
             send[pos : pos + local.numel()].copy_(local)
@@ -481,7 +512,7 @@ def shard_writes(
     for i, value in enumerate(values):
         if value is None or i in full_of:
             continue
-        full_value = value.full_tensor() if isinstance(value, DTensor) else value
+        full_value = value.full_tensor() if is_dtensor(value) else value
         full_of[i] = full_value.detach().reshape(-1).to(device=device, dtype=dtype)
     spec = handle.spec
     writes = []

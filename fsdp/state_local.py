@@ -1,8 +1,10 @@
-"""Local state dicts: this rank's flat shards, and offline consolidation of every rank's into one.
+"""Local state dicts: this rank's shards, and offline consolidation of every rank's into one.
 
-- :func:`local_state_dict`: this rank's flat shards (``"<wrapper path>.flat_param_<i>"``), the
-  buffers, and an identity entry (world size, rank and a fingerprint of the wrap plan) that
-  :func:`load_local_state_dict` checks: same world size, same wrap plan only.
+- :func:`local_state_dict`: this rank's shards (``"<wrapper path>.flat_param_<i>"``; under
+  ``flatten_parameters=False`` each parameter's shard under its name, as in fairscale), the buffers,
+  and an identity entry (world size, rank and a fingerprint of the wrap plan, as a ``uint8``
+  tensor) that :func:`load_local_state_dict` checks: same world size, rank and wrap plan only.
+  Every value is a tensor. A local state dict saved by fairscale (no identity entry) loads too.
 - :func:`local_metadata_dict` and :func:`consolidate_shard_weights` rebuild a plain state dict from
   every rank's local shards offline, without a process group (fairscale's pair of the same names).
 
@@ -11,6 +13,7 @@ Works on a :class:`~fsdp.state_layout.Layout`, never on the wrapper.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -18,7 +21,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp.handle import FlatParamHandle
-from fsdp.state_layout import BufferSlot, IgnoredSlot, Layout, write_shard_
+from fsdp.state_layout import BufferSlot, IgnoredSlot, Layout, Unit, write_shard_
 
 __all__ = [
     "LOCAL_STATE_KEY",
@@ -29,7 +32,9 @@ __all__ = [
 ]
 
 LOCAL_STATE_KEY = "_fsdp_local_state"  # identity entry of a local state dict
-FORMAT_VERSION = 1
+# 1: the identity entry was a dict, and every shard was "flat_param_<i>", flatten_parameters=False too;
+# 2: the identity entry is a uint8 tensor (its JSON), and unflattened shards are named by parameter.
+FORMAT_VERSION = 2
 
 
 def _join(prefix: str, name: str) -> str:
@@ -45,9 +50,59 @@ def _local_identity(layout: Layout) -> dict[str, Any]:
     }
 
 
+def _identity_tensor(layout: Layout) -> torch.Tensor:
+    """The identity as a tensor (UTF-8 JSON bytes), so that code mapping over the values of a
+    local state dict (``{k: v.cpu() for k, v in sd.items()}``) keeps it, and ``torch.load`` with
+    ``weights_only=True`` reads it."""
+    text = json.dumps(_local_identity(layout), sort_keys=True).encode()
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).clone()
+
+
+def _read_identity(value: Any, where: str) -> Mapping[str, Any] | None:
+    """The identity entry of a local state dict: a tensor (this version), a dict (version 1), or
+    absent (``None``: fairscale's local state dict, which has none)."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    try:  # a tensor cast or moved along with the others (.half(), .cuda()) still holds the bytes
+        text = bytes(value.detach().reshape(-1).cpu().round().to(torch.uint8).tolist())
+        ident = json.loads(text.decode())
+    except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"{where}: the {LOCAL_STATE_KEY!r} entry is not the identity a local state dict holds "
+            f"(a uint8 tensor of JSON); it was changed after saving ({e})"
+        ) from None
+    if not isinstance(ident, dict):
+        raise ValueError(
+            f"{where}: the {LOCAL_STATE_KEY!r} entry is not the identity a local state dict holds"
+        )
+    return ident
+
+
+def _shard_names(layout: Layout, unit: Unit, version: int = FORMAT_VERSION) -> list[str]:
+    """The name of each flat parameter of ``unit`` in a local state dict and its metadata, relative
+    to the wrapper: ``flat_param_<i>``, or under ``flatten_parameters=False`` (one parameter per flat
+    parameter) the parameter's own, as fairscale names them (format version 2 on)."""
+    if unit.flatten or version < 2:
+        return [f"flat_param_{i}" for i in range(len(unit.handles))]
+    cut = len(unit.path) + 1 if unit.path else 0  # (the state_dict() names of a unit start with its path)
+    return [layout.slots(h)[0].name[cut:] for h in unit.handles]
+
+
+def _alias_names(
+    layout: Layout, unit: Unit, version: int = FORMAT_VERSION
+) -> list[tuple[str, FlatParamHandle]]:
+    """Further keys of a local state dict under ``flatten_parameters=False``: each further name of a
+    tied parameter, holding the same shard (fairscale writes its module's ``state_dict()`` there,
+    which names a tied parameter under each name)."""
+    if unit.flatten or version < 2:
+        return []
+    return [(alias, h) for h in unit.handles for alias in layout.slots(h)[0].aliases]
+
+
 def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
-    """This rank's flat shards (``"<wrapper path>.flat_param_<i>"``), the ignored parameters and the
-    buffers under their names, and an identity entry.
+    """This rank's shards (``"<wrapper path>.flat_param_<i>"``, or the parameter's name under
+    ``flatten_parameters=False``), the ignored parameters and the buffers under their names, and an
+    identity entry (a ``uint8`` tensor). Every value is a tensor.
 
     Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
     model. With ``keep_vars`` the flat parameters and buffers themselves. Buffers are in their dtype
@@ -57,14 +112,16 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for unit in layout.units:
-        for i, h in enumerate(unit.handles):
-            out[_join(unit.path, f"flat_param_{i}")] = h.flat_param if keep_vars else h.flat_param.detach()
+        for name, h in zip(_shard_names(layout, unit), unit.handles, strict=True):
+            out[_join(unit.path, name)] = h.flat_param if keep_vars else h.flat_param.detach()
+        for alias, h in _alias_names(layout, unit):
+            out[alias] = h.flat_param if keep_vars else h.flat_param.detach()
     for s in layout.ignored:  # unmanaged: this rank's parameter under its name
         out[s.name] = s.param if keep_vars else s.param.detach()
     for b in layout.buffers:
         value = b.tensor if keep_vars else b.tensor.detach()
         out[b.name] = value if value.dtype == b.dtype else value.detach().to(b.dtype)
-    out[LOCAL_STATE_KEY] = _local_identity(layout)
+    out[LOCAL_STATE_KEY] = _identity_tensor(layout)
     return out
 
 
@@ -73,29 +130,34 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
 
     Everything is checked before anything is written: on an error the model is unchanged. Buffers
     are cast to the dtype the wrapper keeps them in, so a dict holding them in their original dtype
-    loads, and so does one saved by earlier versions, which held them in the kept dtype.
+    loads, and so does one saved by earlier versions, which held them in the kept dtype. A dict
+    without the identity entry (fairscale's ``local_state_dict()``, or ours with that entry dropped)
+    loads when its keys and shapes fit: the rank that saved it cannot be checked then.
     """
-    ident = state.get(LOCAL_STATE_KEY)
-    mine = _local_identity(layout)
     where = "FullyShardedDataParallel.load_local_state_dict"
-    if not isinstance(ident, Mapping):
-        raise ValueError(
-            f"{where}: this is not a local state dict (it has no {LOCAL_STATE_KEY!r} entry). Load a full "
-            "state dict with load_state_dict(), a sharded one with load_sharded_state_dict()"
-        )
-    if ident.get("world_size") != mine["world_size"]:
+    ident = _read_identity(state.get(LOCAL_STATE_KEY), where)
+    mine = _local_identity(layout)
+    version = FORMAT_VERSION
+    if ident is not None:
+        version = int(ident.get("version", 1))
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: the state dict was saved by a newer version of fsdp (local state dict format {version}, "
+                f"this one reads up to {FORMAT_VERSION}); upgrade fsdp, or save a checkpoint with fsdp.save_checkpoint"
+            )
+    if ident is not None and ident.get("world_size") != mine["world_size"]:
         raise ValueError(
             f"{where}: the state dict was saved at world size {ident.get('world_size')} but this model runs on "
             f"{mine['world_size']} ranks. A local state dict only loads at the world size and wrap plan it was "
             "saved with; to resume on another number of ranks use fsdp.save_checkpoint/load_checkpoint (or the "
             "sharded state dict), or consolidate the shards with consolidate_shard_weights()"
         )
-    if ident.get("rank") != mine["rank"]:
+    if ident is not None and ident.get("rank") != mine["rank"]:
         raise ValueError(
             f"{where}: the state dict holds the shards of rank {ident.get('rank')}, not of rank {mine['rank']}; "
             "every rank must load the file it saved"
         )
-    if ident.get("plan") != mine["plan"]:
+    if ident is not None and ident.get("plan") != mine["plan"]:
         raise ValueError(
             f"{where}: the state dict was saved with a different wrap plan (other wrappers, or other parameter "
             "names, shapes or dtypes in them). Wrap the model exactly as when it was saved, or resume with "
@@ -104,13 +166,20 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
     expected: dict[str, tuple[int, ...]] = {}
     targets: dict[str, FlatParamHandle | BufferSlot | IgnoredSlot] = {}
     for unit in layout.units:
-        for i, h in enumerate(unit.handles):
-            key = _join(unit.path, f"flat_param_{i}")
+        for name, h in zip(_shard_names(layout, unit, version), unit.handles, strict=True):
+            key = _join(unit.path, name)
             expected[key], targets[key] = (h.spec.chunk,), h
+        for alias, h in _alias_names(layout, unit, version):  # the same shard again: checked, not written
+            expected[alias] = (h.spec.chunk,)
     for s in layout.ignored:
         expected[s.name], targets[s.name] = s.shape, s
     for b in layout.buffers:
         expected[b.name], targets[b.name] = tuple(b.tensor.shape), b
+    if ident is None and _is_full_state_dict(layout, state, expected):
+        raise ValueError(
+            f"{where}: this is not a local state dict but a full one (the unwrapped model's keys and shapes). Load "
+            "it with load_state_dict(), or a sharded one with load_sharded_state_dict()"
+        )
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected and k != LOCAL_STATE_KEY]
     errors = [
@@ -122,6 +191,12 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
         errors.append("missing key(s): " + ", ".join(repr(k) for k in missing))
     if strict and unexpected:
         errors.append("unexpected key(s): " + ", ".join(repr(k) for k in unexpected))
+    if errors and ident is None:
+        errors.append(
+            f"(the state dict has no {LOCAL_STATE_KEY!r} entry, so it was read as fairscale's local state dict: "
+            "this rank's shards and the buffers. A full state dict loads with load_state_dict(), a sharded one "
+            "with load_sharded_state_dict())"
+        )
     if errors:
         raise RuntimeError(f"{where}: nothing was loaded:\n  " + "\n  ".join(errors))
     for key, target in targets.items():
@@ -134,6 +209,19 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
             with torch.no_grad():
                 (target.param if isinstance(target, IgnoredSlot) else target.tensor).copy_(value)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _is_full_state_dict(
+    layout: Layout, state: Mapping[str, Any], local: Mapping[str, tuple[int, ...]]
+) -> bool:
+    """Whether ``state`` holds the unwrapped model's keys with every managed parameter in its full
+    shape, and so is not a local state dict (whose shards are 1-D chunks)."""
+    keys = set(state) - {LOCAL_STATE_KEY}
+    if not layout.params or keys != set(layout.keys):
+        return False
+    if any(tuple(getattr(state[s.name], "shape", ())) != s.shape for s in layout.params):
+        return False
+    return keys != set(local) or any(local[s.name] != s.shape for s in layout.params if s.name in local)
 
 
 def _name_in(layout: Layout, path: str, handle: FlatParamHandle, fqn: str) -> str:
@@ -168,8 +256,8 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
     for unit in layout.units:
         params = {}
         shared = []
-        for i, h in enumerate(unit.handles):
-            params[f"flat_param_{i}"] = {  # fairscale's keys in fairscale's order: nothing else here
+        for backing, h in zip(_shard_names(layout, unit), unit.handles, strict=True):
+            params[backing] = {  # fairscale's keys in fairscale's order: nothing else here
                 "names": [_name_in(layout, unit.path, h, p.fqn) for p in h.meta.params],
                 "shapes": [tuple(p.shape) for p in h.meta.params],
                 "numels": [p.numel for p in h.meta.params],

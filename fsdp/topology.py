@@ -26,6 +26,9 @@ __all__ = [
     "check_hybrid_pair",
     "checked_device",
     "choose_compute_device",
+    "group_rank",
+    "group_size",
+    "is_stand_in",
     "materialize_device",
     "reduce_scatter_group",
     "resolve_groups",
@@ -67,14 +70,34 @@ class ProcessGroups(NamedTuple):
     dp: dist.ProcessGroup  # every rank training the model
 
 
+def is_stand_in(group: Any) -> bool:
+    """Whether ``group`` stands for a process group without being one: an object with ``rank()`` and
+    ``size()``, such as fairscale's ``DummyProcessGroup`` (fairseq builds one-rank wrappers with
+    ``DummyProcessGroup(rank=0, size=1)``, without ``init_process_group()``)."""
+    return (
+        group is not None
+        and not isinstance(group, (dist.ProcessGroup, tuple, ProcessGroupName))
+        and callable(getattr(group, "rank", None))
+        and callable(getattr(group, "size", None))
+    )
+
+
+def group_size(group: Any) -> int:
+    return int(group.size()) if is_stand_in(group) else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    return int(group.rank()) if is_stand_in(group) else dist.get_rank(group)
+
+
 def backend_is_cuda_only(group: Any) -> bool:
     """Whether ``group`` can send CUDA tensors only (NCCL alone, with no CPU backend beside it)."""
-    return str(dist.get_backend(group)).lower() in ("nccl", "cuda:nccl")
+    return not is_stand_in(group) and str(dist.get_backend(group)).lower() in ("nccl", "cuda:nccl")
 
 
 def backend_has_cuda(group: Any) -> bool:
     """Whether ``group`` has a CUDA backend (NCCL), alone or beside a CPU one."""
-    return "nccl" in str(dist.get_backend(group)).lower()
+    return not is_stand_in(group) and "nccl" in str(dist.get_backend(group)).lower()
 
 
 def checked_device(value: Any, name: str, allow_meta: bool = False) -> torch.device | None:
@@ -130,6 +153,8 @@ def choose_compute_device(
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGroups:
+    if is_stand_in(process_group):
+        return _stand_in_groups(strategy, process_group)
     world = dist.group.WORLD
     assert world is not None
     if strategy is ShardingStrategy.HYBRID_SHARD:
@@ -175,6 +200,27 @@ def resolve_groups(strategy: ShardingStrategy, process_group: Any) -> ProcessGro
     return ProcessGroups(group, dist.get_world_size(group), dist.get_rank(group), None, group)
 
 
+def _stand_in_groups(strategy: ShardingStrategy, group: Any) -> ProcessGroups:
+    """The groups of a wrapper built with a stand-in (see :func:`is_stand_in`): its ``rank()`` and
+    ``size()`` say which shard this rank keeps. Of one rank, the wrapper never communicates; of more,
+    it is built (sharded) for that rank and must be given the real group (``model.process_group =
+    group`` on every wrapper, as fairscale's tests do) before anything communicates."""
+    size, rank = group_size(group), group_rank(group)
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(
+            f"FullyShardedDataParallel: the stand-in process group says rank {rank} of {size}; give a rank in "
+            "[0, size) and a size of at least 1"
+        )
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        raise TypeError(
+            "FullyShardedDataParallel: HYBRID_SHARD takes process_group=(shard_group, replicate_group) of real "
+            "torch.distributed groups, not a stand-in with rank() and size()"
+        )
+    if strategy is ShardingStrategy.NO_SHARD:
+        return ProcessGroups(group, 1, 0, group if size > 1 else None, group)
+    return ProcessGroups(group, size, rank, None, group)
+
+
 def check_hybrid_pair(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> None:
     """Refuse a ``(shard, replicate)`` pair that cannot be a grid over the world, from what this
     rank sees alone; :func:`~fsdp.consistency.check_hybrid_grids` completes the check across ranks."""
@@ -203,8 +249,8 @@ def check_hybrid_pair(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) ->
 
 
 def reduce_scatter_group(group: dist.ProcessGroup, option: Any, world_size: int) -> dist.ProcessGroup:
-    if option is None or option == ProcessGroupName.default:
-        return group
+    if option is None or option == ProcessGroupName.default or is_stand_in(group):
+        return group  # (a stand-in's reductions go over whatever group replaces it)
     if option == ProcessGroupName.reduce_scatter:
         return get_process_group_cached(group, "reduce_scatter")
     if isinstance(option, dist.ProcessGroup):

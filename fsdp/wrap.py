@@ -26,13 +26,18 @@ A policy is called with keyword arguments only::
 
 Policies written for torch FSDP1 (``policy(module, recurse, nonwrapped_numel)``, e.g.
 ``functools.partial(torch.distributed.fsdp.wrap.size_based_auto_wrap_policy, min_num_params=...)``)
-are recognized by their ``nonwrapped_numel`` parameter and called that way.
+are recognized by their ``nonwrapped_numel`` parameter and called that way. This module also has
+torch FSDP1's policies under their names, in torch's calling style (``functools.partial(
+transformer_auto_wrap_policy, transformer_layer_cls={Block})``, :func:`size_based_auto_wrap_policy`,
+:func:`always_wrap_policy`, :class:`ModuleWrapPolicy`, :class:`CustomPolicy`), so that
+``torch.distributed.fsdp.wrap`` imports change to ``fsdp.wrap``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -44,12 +49,17 @@ from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 
 __all__ = [
     "AutoWrapPolicy",
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+    "always_wrap_policy",
     "auto_wrap",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",
     "enable_wrap",
+    "is_torch_style",
     "lambda_auto_wrap_policy",
     "no_split_modules_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "wrap",
     "wrap_children",
@@ -70,6 +80,8 @@ class _WrapContext:
     kwargs: dict[str, Any]  # passed to every wrapper built inside the context
     auto_wrap_policy: AutoWrapPolicy  # auto_wrap's policy when none is passed to it
     move_module_cuda_half: bool  # fairscale's flag: wrap() moves the module to CUDA fp16 first
+    # a torch-style policy given to enable_wrap: wrap() passes it on to the wrapper
+    wrap_policy: AutoWrapPolicy | None = None
 
 
 _context: _WrapContext | None = None  # the active enable_wrap context, process-wide as in fairscale
@@ -140,9 +152,7 @@ class _ModuleTypePolicy:
     def __init__(self, module_types: tuple[type[nn.Module], ...]) -> None:
         self.module_types = module_types
 
-    def __call__(
-        self, module: nn.Module, recurse: bool, unwrapped_params: int = 0, module_is_root: bool = False
-    ) -> bool:
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         return recurse or isinstance(module, self.module_types)
 
     def __repr__(self) -> str:
@@ -150,30 +160,65 @@ class _ModuleTypePolicy:
         return f"transformer_auto_wrap_policy({{{names}}})"
 
 
+def _module_classes(what: str, classes: Any) -> tuple[type[nn.Module], ...]:
+    """``classes`` (a class or an iterable of classes) as a tuple of ``nn.Module`` subclasses, checked."""
+    found = (classes,) if isinstance(classes, type) else tuple(classes) if _iterable(classes) else (classes,)
+    for cls in found:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(
+                f"{what} takes nn.Module subclasses, got {cls!r}; pass the block class itself, e.g. "
+                f"{what}({{Block}})"
+            )
+    if not found:
+        raise ValueError(f"{what} needs at least one module class to wrap")
+    return found
+
+
+def _iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return not isinstance(value, (str, bytes, nn.Module))
+
+
 def transformer_auto_wrap_policy(
-    transformer_layer_cls: type[nn.Module] | Iterable[type[nn.Module]],
-) -> AutoWrapPolicy:
-    """A policy that wraps every instance of ``transformer_layer_cls`` (a class or a set of classes).
+    module: Any = None,
+    recurse: bool | None = None,
+    nonwrapped_numel: int | None = None,
+    transformer_layer_cls: Any = None,
+    unwrapped_params: int | None = None,
+    module_is_root: bool | None = None,
+) -> Any:
+    """Wrap every instance of ``transformer_layer_cls`` (a class or a set of classes), in either
+    calling style:
+
+    - ours: ``transformer_auto_wrap_policy({Block})`` returns the policy;
+    - torch FSDP1's: ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``
+      is the policy, called as ``policy(module=m, recurse=r, nonwrapped_numel=n)`` (or with
+      fairscale's ``unwrapped_params`` / ``module_is_root``): it returns whether to descend into
+      (always) or wrap ``m``.
 
     Every module is descended into, so blocks nested at any depth are found, and a block's own
     children are wrapped too if they are instances of the listed classes. Nothing else is wrapped,
-    the root included unless it is such an instance: wrap the root yourself afterwards.
-
-    Unlike torch FSDP1's function of the same name (used through ``functools.partial``), this one
-    takes the classes and returns the policy: ``auto_wrap(model, transformer_auto_wrap_policy({Block}))``.
+    the root included unless it is such an instance.
     """
-    classes = (
-        (transformer_layer_cls,) if isinstance(transformer_layer_cls, type) else tuple(transformer_layer_cls)
-    )
-    for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    if isinstance(module, nn.Module):  # torch's form: a policy call
+        if transformer_layer_cls is None or recurse is None:
             raise TypeError(
-                f"transformer_auto_wrap_policy takes nn.Module subclasses, got {cls!r}; "
-                "pass the block class itself, e.g. transformer_auto_wrap_policy({Block})"
+                "transformer_auto_wrap_policy(module, recurse, ...) needs recurse and transformer_layer_cls; bind "
+                "the classes with functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})"
             )
-    if not classes:
-        raise ValueError("transformer_auto_wrap_policy needs at least one module class to wrap")
-    return _ModuleTypePolicy(classes)
+        return _ModuleTypePolicy(_module_classes("transformer_auto_wrap_policy", transformer_layer_cls))(
+            module, recurse
+        )
+    classes = transformer_layer_cls if module is None else module
+    if classes is None:
+        raise TypeError(
+            "transformer_auto_wrap_policy needs the block classes: transformer_auto_wrap_policy({Block}), or "
+            "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}) as torch FSDP1 writes it"
+        )
+    return _ModuleTypePolicy(_module_classes("transformer_auto_wrap_policy", classes))
 
 
 class _LambdaPolicy:
@@ -185,24 +230,154 @@ class _LambdaPolicy:
     def __init__(self, lambda_fn: Callable[[nn.Module], bool]) -> None:
         self.lambda_fn = lambda_fn
 
-    def __call__(
-        self, module: nn.Module, recurse: bool, unwrapped_params: int = 0, module_is_root: bool = False
-    ) -> bool:
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         return recurse or bool(self.lambda_fn(module))
 
     def __repr__(self) -> str:
         return f"lambda_auto_wrap_policy({self.lambda_fn!r})"
 
 
-def lambda_auto_wrap_policy(lambda_fn: Callable[[nn.Module], bool]) -> AutoWrapPolicy:
-    """A policy that wraps every module for which ``lambda_fn(module)`` is true.
-
-    Every module is descended into; the root is wrapped only if ``lambda_fn`` picks it. Example:
-    ``lambda_auto_wrap_policy(lambda m: isinstance(m, nn.Linear) and m.weight.numel() >= 4096)``.
+def lambda_auto_wrap_policy(
+    module: Any = None,
+    recurse: bool | None = None,
+    nonwrapped_numel: int | None = None,
+    lambda_fn: Callable[[nn.Module], bool] | None = None,
+    unwrapped_params: int | None = None,
+    module_is_root: bool | None = None,
+) -> Any:
+    """Wrap every module for which ``lambda_fn(module)`` is true, at any depth (the root only if
+    ``lambda_fn`` picks it), in either calling style: ours, ``lambda_auto_wrap_policy(fn)`` returns
+    the policy; torch FSDP1's, ``functools.partial(lambda_auto_wrap_policy, lambda_fn=fn)`` is it.
+    Example: ``lambda_auto_wrap_policy(lambda m: isinstance(m, nn.Linear) and m.weight.numel() >= 4096)``.
     """
-    if not callable(lambda_fn):
-        raise TypeError(f"lambda_auto_wrap_policy takes a callable module -> bool, got {lambda_fn!r}")
-    return _LambdaPolicy(lambda_fn)
+    if isinstance(module, nn.Module):  # torch's form: a policy call
+        if lambda_fn is None or recurse is None:
+            raise TypeError(
+                "lambda_auto_wrap_policy(module, recurse, ...) needs recurse and lambda_fn; bind the function with "
+                "functools.partial(lambda_auto_wrap_policy, lambda_fn=fn)"
+            )
+        return recurse or bool(lambda_fn(module))
+    fn = lambda_fn if module is None else module
+    if not callable(fn):
+        raise TypeError(f"lambda_auto_wrap_policy takes a callable module -> bool, got {fn!r}")
+    return _LambdaPolicy(fn)
+
+
+def size_based_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int | None = None,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: set[type[nn.Module]] | None = None,
+    exclude_wrap_modules: set[type[nn.Module]] | None = None,
+    unwrapped_params: int | None = None,
+    module_is_root: bool | None = None,
+) -> bool:
+    """torch FSDP1's size-based policy, with its keywords and defaults (bind them with
+    ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``): descend into a module
+    with at least ``min_num_params`` elements no wrapper owns yet unless it is a
+    ``force_leaf_modules`` type (default ``size_based_auto_wrap_policy.FORCE_LEAF_MODULES``,
+    ``{nn.MultiheadAttention}``), and wrap it when what remains after its children were wrapped is at
+    least as large, unless it is an ``exclude_wrap_modules`` type (default
+    ``size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES``, ``{nn.ModuleList, nn.ModuleDict}``).
+    fairscale's :func:`default_auto_wrap_policy` is the same rule with fairscale's signature."""
+    numel = nonwrapped_numel if nonwrapped_numel is not None else unwrapped_params
+    if numel is None:
+        raise TypeError(
+            "size_based_auto_wrap_policy needs nonwrapped_numel (the elements no wrapper owns yet)"
+        )
+    if force_leaf_modules is None:
+        force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+    if exclude_wrap_modules is None:
+        exclude_wrap_modules = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+    assert force_leaf_modules is not None and exclude_wrap_modules is not None
+    if recurse:
+        return numel >= min_num_params and not isinstance(module, tuple(force_leaf_modules))
+    return numel >= min_num_params and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
+
+
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """torch FSDP1's policy that wraps every submodule (and descends everywhere)."""
+    return True
+
+
+class ModuleWrapPolicy:
+    """torch FSDP1's ``ModuleWrapPolicy(module_classes)``: wrap every instance of these classes, with
+    the constructor's arguments. The same rule as :func:`transformer_auto_wrap_policy`."""
+
+    _module_classes: tuple[type[nn.Module], ...]
+
+    def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
+        self._module_classes = _module_classes("ModuleWrapPolicy", module_classes)
+
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return recurse or isinstance(module, self._module_classes)
+
+    def __repr__(self) -> str:
+        return f"ModuleWrapPolicy({{{', '.join(t.__qualname__ for t in self._module_classes)}}})"
+
+
+class CustomPolicy:
+    """torch FSDP1's ``CustomPolicy(lambda_fn)``, for the constructor's ``auto_wrap_policy``:
+    ``lambda_fn(module)`` returns ``False`` (or ``{}``) to leave ``module`` alone, ``True`` to wrap it
+    with the constructor's arguments, or a dict of arguments that override them for ``module``
+    (e.g. ``{"sharding_strategy": ShardingStrategy.NO_SHARD}``). Every module is visited."""
+
+    _lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
+        if not callable(lambda_fn):
+            raise TypeError(f"CustomPolicy takes a callable module -> bool | dict, got {lambda_fn!r}")
+        self._lambda_fn = lambda_fn
+
+    def _run_policy(
+        self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict[str, Any]
+    ) -> dict[nn.Module, dict[str, Any]]:
+        """The modules under ``root_module`` (itself included) to wrap, each with its arguments
+        (torch's method, which the constructor calls)."""
+        targets: dict[nn.Module, dict[str, Any]] = {}
+        for m in root_module.modules():
+            if m in ignored_modules:
+                continue
+            picked = self._lambda_fn(m)
+            if not isinstance(picked, (bool, dict)):
+                raise ValueError(
+                    f"CustomPolicy: lambda_fn must return True, False or a dict of wrapper arguments, got {picked!r} "
+                    f"for a {type(m).__name__}"
+                )
+            if picked:
+                targets[m] = {**root_kwargs, **(picked if isinstance(picked, dict) else {})}
+        return targets
+
+    def __repr__(self) -> str:
+        return f"CustomPolicy({self._lambda_fn!r})"
+
+
+_TORCH_NAMED = ("transformer_auto_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy")
+
+
+def is_torch_style(policy: Any) -> bool:
+    """Whether ``policy`` is written the way torch FSDP1 writes policies: one of torch's own, ours
+    under torch's names in torch's calling style (``functools.partial(transformer_auto_wrap_policy,
+    ...)``, :func:`always_wrap_policy`, :class:`ModuleWrapPolicy`, :class:`CustomPolicy`), or a
+    function of ``nonwrapped_numel``. fairscale has none of these. Inside :func:`enable_wrap`, such a
+    policy is passed on by :func:`wrap` to the wrapper, as torch's ``wrap`` does."""
+    func = policy.func if isinstance(policy, functools.partial) else policy
+    if isinstance(func, (ModuleWrapPolicy, CustomPolicy)) or func is always_wrap_policy:
+        return True
+    if isinstance(policy, functools.partial) and getattr(func, "__name__", "") in _TORCH_NAMED:
+        return True
+    if str(getattr(func, "__module__", None) or type(func).__module__).startswith("torch.distributed.fsdp"):
+        return True
+    try:
+        names = set(inspect.signature(policy).parameters)
+    except (TypeError, ValueError):
+        return False
+    return "nonwrapped_numel" in names and "unwrapped_params" not in names
 
 
 class _ClassNamePolicy:
@@ -236,7 +411,7 @@ class _ClassNamePolicy:
 
     def _check_tree(self, root: nn.Module) -> set[int]:
         """The matching modules whose parameters are tied to a module outside them (left to the parent's
-        wrapper, so that a tie stays inside one wrapper); refuses a tree where nothing matches."""
+        wrapper, which would adopt the tied parameter anyway); refuses a tree where nothing matches."""
         found = [m for m in root.modules() if self.matches(m)]
         if not found:
             wanted = sorted(self.names | {c.__qualname__ for c in self.classes})
@@ -287,7 +462,7 @@ def no_split_modules_auto_wrap_policy(
 
     Every module is descended into; each instance of a named class is wrapped, except one that shares
     a parameter with a module outside it (tied weights, e.g. BERT's embeddings and its MLM head): that
-    one is left to the enclosing wrapper, since a tie must stay inside one wrapper. Nothing else is
+    one is left to the enclosing wrapper, which would adopt the tied parameter anyway. Nothing else is
     wrapped, the root included unless it is such a block. A walk over a tree where no module matches
     raises ``ValueError`` naming the classes it found, so a misspelt name does not leave the whole
     model in one unit.
@@ -335,7 +510,8 @@ def enable_wrap(auto_wrap_policy: AutoWrapPolicy | None = None, **wrapper_kwargs
 
     Args:
         auto_wrap_policy: the policy :func:`auto_wrap` uses when it is given none
-            (default: :func:`default_auto_wrap_policy`). :func:`wrap` ignores policies.
+            (default: :func:`default_auto_wrap_policy`). :func:`wrap` passes it on to the wrapper
+            only when it is written in torch FSDP1's style (:func:`is_torch_style`), as torch does.
         wrapper_kwargs: must hold ``wrapper_cls``; the rest are passed to every wrapper built
             inside the context. ``move_module_cuda_half=True`` (fairscale's flag) makes
             :func:`wrap` move each module to CUDA in fp16 before wrapping it.
@@ -359,7 +535,10 @@ def enable_wrap(auto_wrap_policy: AutoWrapPolicy | None = None, **wrapper_kwargs
         )
     move_module_cuda_half = bool(kwargs.pop("move_module_cuda_half", False))
     policy = default_auto_wrap_policy if auto_wrap_policy is None else auto_wrap_policy
-    _context = _WrapContext(wrapper_cls, kwargs, policy, move_module_cuda_half)
+    passed_on = (
+        auto_wrap_policy if auto_wrap_policy is not None and is_torch_style(auto_wrap_policy) else None
+    )
+    _context = _WrapContext(wrapper_cls, kwargs, policy, move_module_cuda_half, passed_on)
     try:
         yield
     finally:
@@ -372,11 +551,19 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
     The wrapper's kwargs merge three sources, later ones winning: the ``enable_wrap`` kwargs, the
     module's ``wrapper_config`` dict (if it has one), and ``wrap_overrides``. ``wrapper_cls`` may be
     overridden the same way. The module is wrapped even if it already is a wrapper (as fairscale);
-    only :func:`auto_wrap` skips wrapped modules.
+    only :func:`auto_wrap` skips wrapped modules. The context's policy is :func:`auto_wrap`'s
+    (fairscale's rule), unless it is written in torch FSDP1's style (:func:`is_torch_style`): then,
+    as torch's ``wrap`` does, it is passed on as the wrapper's ``auto_wrap_policy``.
     """
     ctx = _context
     if ctx is None:
         return module
+    if ctx.wrap_policy is not None:
+        wrap_overrides = {"auto_wrap_policy": ctx.wrap_policy, **wrap_overrides}
+    return _wrap(ctx, module, wrap_overrides)
+
+
+def _wrap(ctx: _WrapContext, module: nn.Module, wrap_overrides: dict[str, Any]) -> nn.Module:
     module_config = getattr(module, "wrapper_config", None)
     if module_config is not None and not isinstance(module_config, dict):
         raise TypeError(
@@ -414,7 +601,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: AutoWrapPolicy | None = None,
     wrapper_types = tuple(
         cls for cls in (ctx.wrapper_cls, kwargs.get("wrapper_cls")) if isinstance(cls, type)
     )
-    walker = _Walker(_policy_caller(policy), wrapper_types, lambda m: wrap(m, **kwargs))
+    walker = _Walker(_policy_caller(policy), wrapper_types, lambda m: _wrap(ctx, m, kwargs))
     wrapped, _ = walker.visit(module, module_is_root=True)
     return wrapped
 
@@ -445,7 +632,14 @@ _PolicyCall = Callable[[nn.Module, bool, int, bool], bool]  # (module, recurse, 
 def _policy_caller(policy: AutoWrapPolicy) -> _PolicyCall:
     """Adapt ``policy`` to one calling convention: fairscale's, or torch FSDP1's ``nonwrapped_numel``."""
     if not callable(policy):
-        raise TypeError(f"auto_wrap_policy must be callable, got {policy!r}")
+        raise TypeError(
+            f"auto_wrap_policy must be callable, got {policy!r}"
+            + (
+                "; a CustomPolicy is for the constructor: FullyShardedDataParallel(model, auto_wrap_policy=policy)"
+                if hasattr(policy, "_run_policy")
+                else ""
+            )
+        )
     try:
         names = set(inspect.signature(policy).parameters)
     except (TypeError, ValueError):  # no inspectable signature: assume fairscale's convention

@@ -79,7 +79,10 @@ def optim_diff(full: Mapping[str, Any], ref: Mapping[str, Any]) -> float:
         if set(mine) != set(entry):
             return float("inf")
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
+            if key == "step" and isinstance(value, torch.Tensor) and not isinstance(mine[key], torch.Tensor):
+                if value.dim() != 0 or float(mine[key]) != value.item():  # fairscale's form: a number
+                    return float("inf")
+            elif isinstance(value, torch.Tensor):
                 if mine[key].shape != value.shape:
                     return float("inf")
                 worst = max(
@@ -91,6 +94,35 @@ def optim_diff(full: Mapping[str, Any], ref: Mapping[str, Any]) -> float:
         if {k: v for k, v in group.items() if k != "param_names"} != ref_group:
             return float("inf")
     return worst
+
+
+def scramble_(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """Change in place every parameter (flat shards and ignored parameters), every persistent buffer and
+    every optimizer-state tensor, before a load: a load that skipped any of them leaves a difference
+    for the comparison after it to find. Adds 1 (floating and integer tensors) or flips (booleans);
+    raises if a non-empty tensor kept its value (e.g. a large bf16 value that adding 1 cannot move)."""
+    tensors = list(model.parameters())
+    for m in model.modules():
+        skip = m._non_persistent_buffers_set  # not in a state dict: no load restores them
+        tensors += [b for n, b in m.named_buffers(recurse=False) if n not in skip]
+    if opt is not None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                tensors += [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in tensors:
+            if id(t) in seen or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            before = t.detach().clone()
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+            assert not torch.equal(before, t), (
+                f"scramble_ left a {t.dtype} tensor of {tuple(t.shape)} unchanged"
+            )
 
 
 def flat_snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:

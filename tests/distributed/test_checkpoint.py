@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy, latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp.checkpoint_files import marker_text
 from fsdp.checkpoint_io import COMMIT_MARKER, PROBE, CheckpointError
 from fsdp.consolidate import main as consolidate_main
 from tests.checkpointing import (
@@ -29,6 +30,7 @@ from tests.checkpointing import (
     make,
     optim_diff,
     same,
+    scramble_,
     state_diff,
     train,
     train_ref,
@@ -54,26 +56,21 @@ def _save_zero_load(tmp: str, case: str, **fsdp_kwargs: Any) -> dict[str, Any]:
             diffs["loss"] = max(diffs["loss"], abs(a - b))
         diffs["param"] = max(diffs["param"], state_diff(model.state_dict(), ref.state_dict()))
 
-    def zero_everything() -> None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-            for v in (v for p in model.parameters() for v in opt.state[p].values()):
-                v.zero_()
-
     lockstep(range(2))
     path = save_checkpoint(Path(tmp) / "dcp", model, opt, extra={"step": 2})
-    zero_everything()
-    diffs["zeroed_differs"] = state_diff(model.state_dict(), ref.state_dict()) > 1e-3
+    scramble_(model, opt)  # parameters, buffers and optimizer state all differ from the saved ones
+    diffs["scrambled_differs"] = state_diff(model.state_dict(), ref.state_dict()) > 1e-3
     diffs["extra"] = load_checkpoint(path, model, opt)
+    diffs["loaded"] = state_diff(model.state_dict(), ref.state_dict())
     lockstep(range(2, 4))
 
     # the same-topology fast path: local shards and the optimizer's own (flat) state dict
     local = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.local_state_dict().items()}
     local_opt = torch.load(_roundtrip(opt.state_dict()), weights_only=True)
-    zero_everything()
+    scramble_(model, opt)
     model.load_local_state_dict(local)
     opt.load_state_dict(local_opt)
+    diffs["loaded_local"] = state_diff(model.state_dict(), ref.state_dict())
     lockstep(range(4, 6))
     full = model.gather_full_optim_state_dict(opt)  # rank 0 only
     diffs["gathered"] = None if full is None else optim_diff(full, ref_opt.state_dict())
@@ -103,8 +100,9 @@ def test_save_zero_load_continues_exactly(
 ) -> None:
     results = pool.run(_save_zero_load, str(tmp_path), case, sharding_strategy=strategy)
     for rank, r in enumerate(results):
-        assert r["zeroed_differs"], "zeroing must change the model (else the test proves nothing)"
+        assert r["scrambled_differs"], "scrambling must change the model (else the test proves nothing)"
         assert r["extra"] == {"step": 2}
+        assert r["loaded"] < 1e-5 and r["loaded_local"] < 1e-5, r
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
         assert (r["gathered"] is None) == (rank != 0)
         assert rank != 0 or r["gathered"] < 1e-5, r
@@ -146,6 +144,7 @@ def _second_half(tmp: str) -> dict[str, Any]:
     groups, ref_groups = _groups(model, ref)
     opt, ref_opt = torch.optim.Adam(groups), torch.optim.Adam(ref_groups)
     ref_losses = train_ref(ref, ref_opt, CASE, range(6))
+    scramble_(model)
     extra = load_checkpoint(latest_checkpoint(tmp), model, opt)
     losses = train(model, opt, CASE, range(3, 6))
     full_osd = model.gather_full_optim_state_dict(opt)
@@ -388,6 +387,7 @@ def _raw_dcp(tmp: str, save: bool) -> dict[str, Any]:
         )
         dcp_save(sd, storage_writer=FileSystemWriter(tmp))
         return {"layout_ok": layout_ok, "kinds": {k: type(v).__name__ for k, v in sd.items()}}
+    scramble_(model)
     sd = model.sharded_state_dict()
     dcp_load(sd, storage_reader=FileSystemReader(tmp))
     model.load_sharded_state_dict(sd)
@@ -425,7 +425,7 @@ def _broken(tmp: str) -> dict[str, Any]:
         marker = root / "truncated" / COMMIT_MARKER  # the newest, but damaged: latest_checkpoint skips it
         info = json.loads(marker.read_text())
         info["saved_at_ns"] += 1
-        marker.write_text(json.dumps(info))
+        marker.write_text(marker_text({k: v for k, v in info.items() if k != "marker_crc32"}, None))
     dist.barrier()
     before = flat_snapshot(model, opt)
     messages: dict[str, str] = {}
@@ -486,7 +486,7 @@ def test_broken_checkpoints_fail_on_every_rank(pool: RankPool, tmp_path: Path) -
     for r in pool.run(_broken, str(tmp_path), timeout=120):
         m = r["messages"]
         assert "has no commit marker" in m["no_marker"] and "did not finish" in m["no_marker"]
-        assert "damaged" in m["truncated"] and "truncated" in m["truncated"]
+        assert "damaged: __" in m["truncated"] and ".distcp has" in m["truncated"], m["truncated"]
         assert "already holds a committed checkpoint" in m["committed_target"]
         assert "missing from the checkpoint" in m["missing_key"] and "'extra.weight'" in m["missing_key"]
         assert "'out.weight': shape (3, 8) in the checkpoint, (4, 8) in the model" in m["shape"]

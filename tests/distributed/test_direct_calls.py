@@ -9,6 +9,7 @@ and hooks its outputs for backward, as the wrapper's own forward does.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -277,3 +278,29 @@ def test_a_forward_inside_summon_full_params_runs_on_the_full_parameters(pool: R
         assert r[2] == 2, r  # one per wrapper, by the summon
         assert "inside summon_full_params() with gradients enabled" in r[3], r
         assert r[4] == ["IDLE", "IDLE"], r
+
+
+def _copies_gather_their_own() -> list[bool]:
+    """A deep copy's (and an unpickled model's) modules gather the copy's shards, not the original's."""
+    torch.manual_seed(0)
+    model = _wrapped(Net())
+    x = torch.randn(2, 6)
+    model(x).sum().backward()
+    twin = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    optim.step()  # only the original changes
+    with torch.no_grad():
+        results = [
+            torch.equal(twin.module(x), twin(x)),
+            not torch.equal(twin.module(x), model.module(x)),
+            torch.equal(twin.module.body.module(torch.ones(1, 8)), twin.module.body(torch.ones(1, 8))),
+        ]
+        again = pickle.loads(pickle.dumps(model))
+        results.append(torch.equal(again.module(x), model(x)))
+    return results
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_the_modules_of_a_copy_gather_the_copys_parameters(pool: RankPool) -> None:
+    for r in pool.run(_copies_gather_their_own, timeout=60):
+        assert all(r), r

@@ -127,11 +127,9 @@ def _train_beside_ddp(name: str, checkpointing: bool, bf16: bool) -> dict[str, A
         model.gradient_checkpointing_enable()
     peer: Any = _HandMadeMixedPrecisionDDP(ref) if bf16 else nn.parallel.DistributedDataParallel(ref)
     block_calls = [0]
-    first_block = next(m for m in model.modules() if isinstance(m, FSDP) and m is not model).module
+    unit = next(m for m in model.modules() if isinstance(m, FSDP) and m is not model)
     # (HF checkpoints the block's forward, so the block's own hooks run once: count a module inside)
-    inside = next(
-        m for m in first_block.modules() if m is not first_block and not isinstance(m, nn.ModuleList)
-    )
+    inside = next(m for m in list(unit.module.modules())[1:] if not isinstance(m, nn.ModuleList))
     inside.register_forward_pre_hook(lambda m, a: block_calls.__setitem__(0, block_calls[0] + 1))
     opts = [torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)]
     losses = []

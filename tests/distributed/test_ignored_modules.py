@@ -18,6 +18,7 @@ import fsdp
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import lambda_auto_wrap_policy
 from fsdp.sharding import padded_numel
+from tests.checkpointing import scramble_
 from tests.distributed.test_torch_fsdp_api import Block
 from tests.parity import handles_with_ref_names, reference_flat, shard_of
 from tests.rank_pool import RankPool
@@ -273,7 +274,6 @@ def _state_dicts() -> dict[str, Any]:
     _, model = _wrapped()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)
-    head = model.module.head
     full = model.state_dict()
     out: dict[str, Any] = {
         "full_keys": list(full),
@@ -294,6 +294,7 @@ def _state_dicts() -> dict[str, Any]:
         ("sharded", sharded),
     ):
         _, fresh = _wrapped(seed=1)
+        scramble_(fresh)  # the ignored module's buffer differs too
         if kind == "sharded":
             with FSDP.state_dict_type(fresh, fsdp.StateDictType.SHARDED_STATE_DICT):
                 fresh.load_state_dict(state)
@@ -301,11 +302,11 @@ def _state_dicts() -> dict[str, Any]:
             fresh.load_state_dict(state)
         got = fresh.state_dict()
         results[kind] = max((got[k] - v).abs().max().item() for k, v in expected.items())
-    with torch.no_grad():
-        head.proj.weight.zero_()  # a local state dict loads back into the model it came from
+    scramble_(model)  # a local state dict loads back into the model it came from
     with FSDP.state_dict_type(model, fsdp.StateDictType.LOCAL_STATE_DICT):
         model.load_state_dict(local)
-    results["local"] = (head.proj.weight - expected["head.proj.weight"]).abs().max().item()
+    got = model.state_dict()
+    results["local"] = max((got[k] - v).abs().max().item() for k, v in expected.items())
     out["roundtrip"] = results
     return out
 
@@ -328,6 +329,7 @@ def _optim_round_trip(form: str, path: str = "") -> dict[str, Any]:
     for step in range(2):
         _step(model, opt, step)
     _, fresh = _wrapped(seed=1)
+    scramble_(fresh)
     fresh.load_state_dict(model.state_dict())
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
     out: dict[str, Any] = {}
@@ -354,6 +356,7 @@ def _optim_round_trip(form: str, path: str = "") -> dict[str, Any]:
     else:  # a checkpoint directory (DCP), model and optimizer loaded into a fresh pair
         fsdp.save_checkpoint(f"{path}/ckpt", model, opt)
         _, fresh = _wrapped(seed=1)
+        scramble_(fresh)
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
         fsdp.load_checkpoint(f"{path}/ckpt", fresh, fresh_opt)
         out["ignored_state"] = tuple(fresh_opt.state[fresh.module.head.proj.weight]["exp_avg"].shape)
@@ -505,8 +508,9 @@ def test_mistakes_are_refused_with_clear_errors(pool: RankPool) -> None:
         assert (
             r["fsdp_instance"].startswith("ValueError") and "wrapper cannot be ignored" in r["fsdp_instance"]
         )
-        assert r["wrapper_inside"].startswith("ValueError") and "blocks.0" in r["wrapper_inside"]
-        assert r["not_inside"].startswith("ValueError") and "not inside the wrapped module" in r["not_inside"]
+        # torch's leniency (tests/compat/test_torch_ignored_modules.py): a module holding a wrapper, and one
+        # outside the wrapped module, are accepted
+        assert r["wrapper_inside"] == "no error" and r["not_inside"] == "no error"
         assert r["both"].startswith("ValueError") and "not both" in r["both"]
         assert r["mixed"].startswith("ValueError") and "all nn.Parameters or all nn.Modules" in r["mixed"]
         assert r["tied"].startswith("ValueError") and "blocks.0.fc.weight" in r["tied"]

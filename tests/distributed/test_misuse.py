@@ -132,30 +132,22 @@ def test_ranks_reducing_different_parameters_fail_on_all_ranks(pool: RankPool, n
         pool.close()  # a reduce-scatter was left unmatched: start the next test on fresh ranks
 
 
-def _tied_across_wrappers(how: str) -> str:
-    with torch.device("meta" if how == "meta" else "cpu"):
-        emb = nn.Embedding(5, 3)
-        head = nn.Linear(3, 5, bias=False)
+def _tied_to_a_sibling() -> str:
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
     head.weight = emb.weight
-    if how == "sibling":  # both wrapped on their own: the second one is refused
-        first = FSDP(emb)  # alive while the second is built
-        msg = _expect(ValueError, FSDP, head)
-        del first
-        return msg
-    # "meta": deferred init gives the inner wrapper a new parameter while head keeps the meta one
-    model = nn.Sequential(FSDP(emb), head)
-    return _expect(ValueError, FSDP, model)
+    # both wrapped on their own and no wrapper around both (tests/compat covers the supported ties)
+    first = FSDP(emb)  # alive while the second is built and run
+    second = FSDP(head)
+    msg = _expect(ValueError, second, torch.randn(2, 3))
+    del first
+    return msg
 
 
 @pytest.mark.parametrize("pool", [1], indirect=True)
-@pytest.mark.parametrize("how", ["inner", "meta", "sibling"])
-def test_tied_parameter_across_wrappers_is_refused(pool: RankPool, how: str) -> None:
-    (msg,) = pool.run(_tied_across_wrappers, how)
-    assert "'weight'" in msg and "same FullyShardedDataParallel" in msg, msg
-    if how == "sibling":
-        assert "another wrapper, made before this one" in msg, msg
-    else:
-        assert "'1.weight'" in msg and "inner wrapper at '0'" in msg, msg
+def test_parameter_tied_to_a_sibling_without_a_common_wrapper_is_refused(pool: RankPool) -> None:
+    (msg,) = pool.run(_tied_to_a_sibling)
+    assert "'weight'" in msg and "common parent" in msg, msg
 
 
 class _Opaque:

@@ -266,7 +266,7 @@ def test_fairscale_numbering_puts_each_state_on_its_parameter(pool: RankPool) ->
     r = pool.run(_fairscale_format)[0]
     assert r["wrong"] == [], "a parameter got another parameter's state"
     assert r["tag"] == 7.0, "fairscale's per-rank 0-dim state becomes this rank's value"
-    assert r["keys"] == ["param_groups", "param_names", "state"]
+    assert r["keys"] == ["param_groups", "param_id_map", "param_names", "state", "uncollected_local_ids"]
 
 
 class _WrappedOptimizer:

@@ -47,7 +47,7 @@ def _no_sync(strategy: str, micro: int) -> dict[str, Any]:
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         batches = [torch.randn(2 * world, 6, generator=g) for _ in range(micro)]
-        with model.no_sync():
+        with model.no_sync(keep_full_params=True):  # (the default follows reshard_after_forward)
             for b in batches[:-1]:
                 model.reset_comm_stats()
                 model(b[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
@@ -166,6 +166,11 @@ def _clip(norm_type: float, strategy: str) -> dict[str, Any]:
     (ref(idx).pow(2).mean() * 50).backward()
     norm = model.clip_grad_norm_(0.05, norm_type)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+    # below max_norm (now about 0.05, against 1.0) the gradients are left exactly as they are
+    clipped = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    below_norm = model.clip_grad_norm_(1.0, norm_type).item()
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    unchanged = len(after) == len(clipped) > 0 and all(torch.equal(a, b) for a, b in zip(after, clipped))
     inner = ""
     try:
         model.module.mix.clip_grad_norm_(1.0)
@@ -181,6 +186,8 @@ def _clip(norm_type: float, strategy: str) -> dict[str, Any]:
         "norm": norm.item(),
         "ref_norm": ref_norm.item(),
         "grad": _grad_error(model, ref),
+        "below_norm": below_norm,
+        "unchanged": unchanged,
         "inner": inner,
         "not_norms": not_norms,
     }
@@ -197,6 +204,8 @@ def test_clip_grad_norm_matches_torch_on_the_plain_model(
         assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5)
         assert r["norm"] > 0.05, "the test must actually clip"
         assert r["grad"] <= TOL, "clipped gradients equal the plain model's clipped gradients"
+        assert r["below_norm"] == pytest.approx(0.05, rel=1e-4)
+        assert r["unchanged"], "a norm below max_norm leaves the gradients alone (never scales them up)"
         assert "must be called on the root" in r["inner"]
         assert len(r["not_norms"]) == 4 and all("norm_type must be > 0" in m for m in r["not_norms"])
     assert len({r["norm"] for r in results}) == 1, "identical on every rank"

@@ -26,6 +26,10 @@ def _run(script: str) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the last JSON line: torch or NCCL may print after it
     report: dict = json.loads(next(s for s in reversed(proc.stdout.splitlines()) if s.startswith("{")))
+    reports = os.environ.get("FSDP_GPU_REPORTS")  # benchmarks/gpu_checks.sh puts them in its summary
+    if reports:
+        with open(reports, "a") as f:
+            f.write(json.dumps({"script": script, **report}) + "\n")
     return report
 
 

@@ -18,19 +18,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def torchrun(script: str, *args: str, timeout: float = 240) -> None:
+def torchrun(module: str, *args: str, timeout: float = 240) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     # gloo ranks on the CPU even on a GPU machine (there the scripts would pick NCCL, one GPU per rank)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [*cmd, str(ROOT / "benchmarks" / script), *args],
+        [*cmd, "-m", f"benchmarks.{module}", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"benchmarks.{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,7 @@ def peers_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("peers")
     # fairscale's FSDP runs only on CUDA: asked for on the CPU, it fails and must be left out of the
     # run (reported), while every other variant is still measured
-    torchrun(
-        "peers.py", "--sizes", "1M", "--rounds", "2", "--fairscale", "yes", "--no-plot", "--out", str(out)
-    )
+    torchrun("peers", "--sizes", "1M", "--rounds", "2", "--fairscale", "yes", "--no-plot", "--out", str(out))
     assert (out / "peers.md").read_text().strip()
     return json.loads((out / "peers.json").read_text())
 
@@ -68,9 +66,7 @@ def test_peers_leaves_out_a_peer_that_fails(peers_report: dict) -> None:
 
 def test_phases_reports_every_phase_of_every_variant(tmp_path: Path) -> None:
     variants = "ours_full,ours_full_nofp,ddp,local"
-    torchrun(
-        "phases.py", *"--size 1M --rounds 2 --warm 1 --variants".split(), variants, "--out", str(tmp_path)
-    )
+    torchrun("phases", *"--size 1M --rounds 2 --warm 1 --variants".split(), variants, "--out", str(tmp_path))
     median = json.loads((tmp_path / "phases.json").read_text())["median"]
     assert set(median) == set(variants.split(","))
     for row in median.values():
@@ -79,3 +75,19 @@ def test_phases_reports_every_phase_of_every_variant(tmp_path: Path) -> None:
         assert row["step_wall"] >= row["forward_wall"]
     table = (tmp_path / "phases.md").read_text()
     assert all(f"| {v} |" in table for v in variants.split(","))
+
+
+def test_checkpoint_cost_times_both_variants_of_each_operation(tmp_path: Path) -> None:
+    torchrun("checkpoint_cost", *"--size 1M --rounds 2 --dir".split(), str(tmp_path))
+    report = json.loads((tmp_path / "checkpoint_cost.json").read_text())
+    for op in ("save", "load", "latest"):
+        for variant in ("with", "without"):
+            assert len(report["times_s"][op][variant]) == 2 and min(report["times_s"][op][variant]) > 0
+        assert report[f"{op}_ratio_median"] > 0
+    recorded = report["files_with_checksums"]
+    assert (
+        ".metadata" in recorded["with"] and "__1_0.distcp" in recorded["with"] and recorded["without"] == []
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_cost.json"], (
+        "each round's files are removed"
+    )

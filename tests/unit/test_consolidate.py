@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,16 @@ import torch
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import latest_checkpoint
-from fsdp.checkpoint_io import COMMIT_MARKER, CheckpointError, read_checkpoint_info
+from fsdp.checkpoint_files import (
+    COMMIT_MARKER,
+    CheckpointError,
+    check_checkpoint,
+    file_checksum,
+    marker_text,
+    out_of_space,
+    read_checkpoint_info,
+    verify_share,
+)
 from fsdp.consolidate import main
 
 
@@ -144,3 +154,78 @@ def test_consolidate_command_reports_errors(tmp_path: Path, capsys: pytest.Captu
     assert main([str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 1
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "out.pt").exists()
+
+
+def _checksummed(root: Path, saved_at: int) -> Path:
+    """A fake checkpoint whose marker records checksums, as save_checkpoint writes it."""
+    _fake_checkpoint(root, saved_at, commit=False)
+    names = ["fsdp_manifest.json", "__0_0.distcp"]
+    files = {n: (root / n).stat().st_size for n in names}
+    fields = {"saved_at_ns": saved_at, "files": files}
+    (root / COMMIT_MARKER).write_text(marker_text(fields, {n: file_checksum(root / n) for n in names}))
+    return root
+
+
+def test_checksums_find_a_changed_byte_and_a_changed_marker(tmp_path: Path) -> None:
+    good = _checksummed(tmp_path / "good", 1)
+    flipped = _checksummed(tmp_path / "flipped", 2)
+    assert check_checkpoint(good) == (read_checkpoint_info(good), True)
+    (flipped / "__0_0.distcp").write_bytes(b"x" * 5 + b"y" + b"x" * 4)  # same size, one byte changed
+    with pytest.raises(
+        CheckpointError, match=r"__0_0\.distcp does not match the checksum recorded at the save"
+    ):
+        read_checkpoint_info(flipped)
+    assert read_checkpoint_info(flipped, verify=False)["format"] == "fsdp-checkpoint"  # sizes only
+    assert latest_checkpoint(tmp_path) == good, "the newest checkpoint that verifies"
+    assert latest_checkpoint(tmp_path, verify=False) == flipped
+
+    # the marker's own fields are checked too: a changed date would reorder the checkpoints
+    marker = json.loads((good / COMMIT_MARKER).read_text())
+    marker["saved_at_ns"] = 3
+    (good / COMMIT_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="COMMITTED does not match its own checksum"):
+        read_checkpoint_info(good, verify=False)
+    assert latest_checkpoint(tmp_path) is None
+
+    # a marker of an earlier version (sizes only) is read, unverified
+    old = _fake_checkpoint(tmp_path / "old", 4)
+    assert check_checkpoint(old) == (read_checkpoint_info(old), False)
+    assert latest_checkpoint(tmp_path) == old
+
+
+def test_every_data_file_is_verified_by_one_rank_and_small_files_by_all() -> None:
+    sizes = {".metadata": 10, "fsdp_manifest.json": 5, "extra.pt": 7}
+    sizes.update({f"__{r}_0.distcp": 1000 + 10 * r for r in range(5)})
+    shares = [verify_share(sizes, sizes, rank, 3) for rank in range(3)]
+    for name in sizes:
+        holders = [rank for rank, share in enumerate(shares) if name in share]
+        assert holders == ([0, 1, 2] if not name.endswith(".distcp") else holders[:1]) and holders, name
+    assert sorted(len(s) - 3 for s in shares) == [1, 2, 2], "data files are spread over the ranks"
+
+
+def test_latest_checkpoint_with_a_group(tmp_path: Path, single_rank_group: None) -> None:
+    import torch.distributed as dist
+
+    good = _checksummed(tmp_path / "good", 1)
+    assert latest_checkpoint(tmp_path, group=dist.group.WORLD) == good
+    assert latest_checkpoint(tmp_path / "none", group=dist.group.WORLD) is None
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup"):
+        latest_checkpoint(tmp_path, group="world")  # type: ignore[arg-type]
+
+
+def test_full_disk_is_found_behind_torch_save_and_dcp_errors() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+            ) from None
+    except RuntimeError as e:
+        bare = e
+    assert out_of_space(bare) is full, "torch.save's error keeps the OSError as its context"
+    assert out_of_space(CheckpointException("write", {1: (full, [])})) is full
+    assert out_of_space(RuntimeError("other")) is None

@@ -16,15 +16,15 @@ pytest.importorskip("transformers", reason="needs Hugging Face transformers: pip
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "2"]
-TINY += ["--eval-interval", "2", "--eval-iters", "1", "--save-interval", "2", "--corpus-bytes", "50000"]
+TINY += ["--eval-interval", "2", "--eval-iters", "1", "--save-interval", "2", "--corpus-chars", "50000"]
 TINY += ["--samples", "1", "--sample-tokens", "6"]
 
 
 def _run(out: Path, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [*cmd, str(ROOT / "examples" / "finetune_hf.py"), *TINY, "--out-dir", str(out), *args],
+        [*cmd, "examples.finetune_hf", *TINY, "--out-dir", str(out), *args],  # as the docs start it
         cwd=ROOT,
         env=env,
         capture_output=True,

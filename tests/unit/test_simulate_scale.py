@@ -12,7 +12,7 @@ import pytest
 
 from fsdp.sharding import chunk_numel
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate_scale.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -21,15 +21,12 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     the default group, and this process may already hold one (the session's one-rank gloo group)."""
     out = tmp_path_factory.mktemp("simulate_scale") / "out.json"
     code = (
-        "import importlib.util, sys; "
-        f"spec = importlib.util.spec_from_file_location('simulate_scale', {str(SCRIPT)!r}); "
-        "m = importlib.util.module_from_spec(spec); sys.modules['simulate_scale'] = m; "
-        "spec.loader.exec_module(m); "
+        "from benchmarks import simulate_scale as m; "
         f"r = m.main(['--quick', '--out', {str(out)!r}]); "
         "import torch.distributed as dist; assert not dist.is_initialized(), 'fake group left behind'; "
         "assert r['memory'] and r['steps'] and r['bookkeeping']['rows']"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| N | params/rank |" in proc.stdout
     res: dict[str, Any] = json.loads(out.read_text())

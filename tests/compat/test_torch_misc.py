@@ -1,0 +1,168 @@
+"""torch FSDP1's option attributes and ``FSDP_USE_FULL_PREC_IN_EVAL`` on a wrapper built torch's way.
+
+Follows the attribute checks of torch's ``test_wrap.py`` (``_check_cpu_offload``,
+``_check_backward_prefetch``), ``test_fsdp_mixed_precision.py`` (``model.mixed_precision`` equal to
+the ``MixedPrecision`` given, the full-precision batch-norm wrappers' ``MixedPrecision()``,
+``test_full_precision_in_eval*``, ``test_eval_root_cast_inputs``) and ``test_fsdp_misc.py``
+(``test_homogeneous_attributes`` for the environment variable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+
+import fsdp
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp.wrap import ModuleWrapPolicy
+from tests.rank_pool import RankPool
+
+BF16, F32 = torch.bfloat16, torch.float32
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharding_strategy_equals_torchs_member(single_rank_group: None, strategy: str) -> None:
+    model = FSDP(nn.Linear(2, 2), sharding_strategy=getattr(torch_fsdp.ShardingStrategy, strategy))
+    assert model.sharding_strategy == getattr(torch_fsdp.ShardingStrategy, strategy)
+    assert getattr(torch_fsdp.ShardingStrategy, strategy) == model.sharding_strategy
+    assert model.sharding_strategy is getattr(fsdp.ShardingStrategy, strategy)
+    others = [getattr(torch_fsdp.ShardingStrategy, s) for s in STRATEGIES if s != strategy]
+    assert all(model.sharding_strategy != o for o in others)
+    assert {model.sharding_strategy: 1}.get(getattr(torch_fsdp.ShardingStrategy, strategy)) == 1, (
+        "hashes alike"
+    )
+
+
+@pytest.mark.parametrize("lib", ["torch", "fsdp"])
+def test_a_wrapper_built_torchs_way_shows_torchs_option_objects(single_rank_group: None, lib: str) -> None:
+    """torch's ``_check_cpu_offload`` / ``_check_backward_prefetch`` and the mixed precision tests'
+    ``model.mixed_precision == mp_config``, with torch's objects or ours."""
+    opts: Any = torch_fsdp if lib == "torch" else fsdp
+    mp = opts.MixedPrecision(param_dtype=BF16, reduce_dtype=F32)
+    model = FSDP(
+        nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)),
+        mixed_precision=mp,
+        cpu_offload=opts.CPUOffload(offload_params=False),
+        backward_prefetch=opts.BackwardPrefetch.BACKWARD_POST,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
+    for w in FSDP.fsdp_modules(model):
+        assert w.cpu_offload == torch_fsdp.CPUOffload(offload_params=False)
+        assert w.cpu_offload.offload_params is False
+        assert w.backward_prefetch == torch_fsdp.BackwardPrefetch.BACKWARD_POST
+    assert model.mixed_precision == torch_fsdp.MixedPrecision(param_dtype=BF16, reduce_dtype=F32)
+    assert model.mixed_precision.param_dtype == BF16 and model.mixed_precision
+    bn = model.module[1]
+    assert isinstance(bn, FSDP), "batch norm got a full-precision wrapper of its own"
+    assert bn.mixed_precision == torch_fsdp.MixedPrecision(), "torch shows MixedPrecision() there"
+    assert not bn.mixed_precision, "and it casts nothing, as fairscale's False says"
+
+
+def test_torch_style_defaults_and_fairscale_style_bools(single_rank_group: None) -> None:
+    """Without an option object, a wrapper given a torch-only argument shows torch's defaults; one
+    built with fairscale's arguments keeps fairscale's bools (and a fairscale bool given to a torch
+    style call keeps its meaning)."""
+    torch_way = FSDP(nn.Linear(2, 2), sharding_strategy=torch_fsdp.ShardingStrategy.FULL_SHARD)
+    assert torch_way.mixed_precision == torch_fsdp.MixedPrecision()
+    assert torch_way.cpu_offload == torch_fsdp.CPUOffload(offload_params=False)
+    assert torch_way.backward_prefetch == torch_fsdp.BackwardPrefetch.BACKWARD_PRE
+    fairscale_way = FSDP(nn.Linear(2, 2), mixed_precision=True, move_params_to_cpu=False)
+    assert fairscale_way.mixed_precision is True and fairscale_way.cpu_offload is False
+    assert FSDP(nn.Linear(2, 2), backward_prefetch=False).backward_prefetch is None
+    mixed = FSDP(nn.Linear(2, 2), mixed_precision=True, sharding_strategy=fsdp.ShardingStrategy.NO_SHARD)
+    assert mixed.mixed_precision is True and mixed.cpu_offload == fsdp.CPUOffload()
+
+
+@contextlib.contextmanager
+def _full_prec_in_eval(value: str | None) -> Iterator[None]:
+    before = os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)
+    if value is not None:
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)
+        if before is not None:
+            os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = before
+
+
+class _Probe(nn.Module):
+    """Records the dtypes its forward sees: input, weight, running mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x.dtype, self.fc.weight.dtype, self.bn.running_mean.dtype))
+        return self.bn(self.fc(x))
+
+
+def _precision_in_eval(env: str | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = _Probe()
+    mp = torch_fsdp.MixedPrecision(param_dtype=BF16, reduce_dtype=BF16, buffer_dtype=BF16)
+    with _full_prec_in_eval(env):
+        model = FSDP(_Probe(), mixed_precision=mp)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    model.train()
+    model(x).float().sum().backward()
+    # the reference's weights and statistics (mean 0, variance 1: exact in bf16 buffers too)
+    model.load_state_dict(ref.state_dict())
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, expected = model(x), ref(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x)  # eval with gradients enabled
+    return {
+        "seen": model.module.seen,
+        "out_dtype": out.dtype,
+        "error": (out.float() - expected).abs().max().item(),
+        "buffer_after": model.module.bn.running_mean.dtype,
+        "warned": [str(w.message) for w in caught if "FSDP_USE_FULL_PREC_IN_EVAL" in str(w.message)],
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("env", ["1", None])
+def test_full_precision_in_eval(pool: RankPool, env: str | None) -> None:
+    """torch's ``test_full_precision_in_eval`` and ``_buffers``: with the variable set, an eval-mode
+    forward without gradients computes in fp32 (parameters, buffers, the root's input uncast: torch's
+    ``test_eval_root_cast_inputs``) and matches the fp32 model; training, and eval without it, run in
+    bf16. With gradients enabled it warns and runs in bf16."""
+    for r in pool.run(_precision_in_eval, env):
+        train, eval_, eval_grad = r["seen"]
+        assert train == (BF16, BF16, BF16)
+        assert r["buffer_after"] == BF16, "the buffers are kept in the compute dtype between forwards"
+        if env == "1":
+            assert eval_ == (F32, F32, F32)
+            assert r["out_dtype"] == F32 and r["error"] < 1e-5, r
+            assert eval_grad == (BF16, BF16, BF16) and len(r["warned"]) == 1
+        else:
+            assert eval_ == (BF16, BF16, BF16)
+            assert r["out_dtype"] == BF16 and r["error"] > 1e-4, r
+            assert eval_grad == (BF16, BF16, BF16) and not r["warned"]
+
+
+def test_full_precision_in_eval_is_one_value_for_the_tree(single_rank_group: None) -> None:
+    """torch's ``test_homogeneous_attributes`` for ``_use_full_prec_in_eval``."""
+    mp = fsdp.MixedPrecision(param_dtype=BF16)
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[1] = FSDP(net[1], mixed_precision=mp)
+    with _full_prec_in_eval("1"):
+        model = FSDP(net, mixed_precision=mp)
+    with pytest.raises(ValueError, match="FSDP_USE_FULL_PREC_IN_EVAL=1 was set when 1 of the 2 wrappers"):
+        model(torch.randn(1, 2))
