@@ -122,6 +122,20 @@ class SummonMethods:
                 for h, saved in snapshots:
                     h.sharded_data().copy_(saved)
 
+    def _forward_in_summon(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward inside ``summon_full_params()``, the way fairscale and torch FSDP1 users run
+        ``generate``: the module runs on the full parameters shown (in full precision); nothing is
+        gathered, freed or hooked for backward. Not for training: the gradients would reach the shown
+        parameters, which the context discards."""
+        if torch.is_grad_enabled() and any(h.requires_grad for h in self.handles):
+            raise RuntimeError(
+                "FullyShardedDataParallel: a forward inside summon_full_params() with gradients enabled: its "
+                "gradients would reach the full parameters shown, which the context discards on exit. Run it "
+                "under torch.no_grad(), or call the model outside the context (calls of the wrapper or of the "
+                "wrapped module gather what they need by themselves)"
+            )
+        return self.module(*args, **kwargs)
+
     @contextlib.contextmanager
     def _full_params_shown(self) -> Iterator[None]:
         """This wrapper's full parameters, shown for a read: as the user's summon left them, or

@@ -33,6 +33,7 @@ from torch.profiler import record_function as _record_function
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
+from fsdp._direct_call import DirectCallMethods, OpenForward
 from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
 from fsdp._module_ops import ModuleOps
 from fsdp._state_methods import StateDictMethods
@@ -173,7 +174,14 @@ class _RootContext:
 
 
 class FullyShardedDataParallel(
-    FairscaleAttributes, SummonMethods, StateDictMethods, StatsMethods, TorchFSDPMethods, ModuleOps, nn.Module
+    FairscaleAttributes,
+    SummonMethods,
+    StateDictMethods,
+    StatsMethods,
+    TorchFSDPMethods,
+    ModuleOps,
+    DirectCallMethods,
+    nn.Module,
 ):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
@@ -436,6 +444,7 @@ class FullyShardedDataParallel(
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False
+        self._hook_direct_calls(is_wrapper)  # See [Note: calls past the wrapper] in fsdp/_direct_call.py
         for _, w in inner:  # last: a constructor that raised leaves its inner wrappers free
             w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         _LIVE.add(self)
@@ -634,9 +643,24 @@ class FullyShardedDataParallel(
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return self._forward_in_summon(*args, **kwargs)
         self._lazy_init()
         if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             return self._recompute_forward(*args, **kwargs)
+        args, kwargs, opened = self._begin_forward(args, kwargs)
+        try:
+            outputs = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self._end_forward(opened)
+        return self._after_forward(outputs, opened.token)
+
+    # (plain methods, not a context manager: under torch.compile the compiler would trace contextlib's
+    # frames called from this skipped file)
+    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, OpenForward]:
+        """Gather for a forward of the wrapped module; return the cast inputs and what
+        :meth:`_end_forward` closes. Also run by a call past the wrapper (See [Note: calls past the
+        wrapper] in fsdp/_direct_call.py)."""
         self.assert_state(TrainingState.IDLE)
         assert self._ctx is not None
         grad_enabled = torch.is_grad_enabled()
@@ -651,41 +675,56 @@ class FullyShardedDataParallel(
             scheduler.start_iteration()
         # lives as long as this forward's graph: see [Note: gradient accumulators] in fsdp/grad_hooks.py
         token = GraphToken() if grad_enabled else None
-        with self._state(TrainingState.FORWARD), record_function("FSDP::forward"):
-            try:
-                with record_function("FSDP::all_gather"):
-                    scheduler.throttle()
-                    for h in self.handles:
-                        h.prefetch(full)
-                    scheduler.on_forward(self)  # See [Note: prefetch]
-                    hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
-                    for h in self.handles:
-                        h.unshard(full)
-                        h.use_full_views(as_parameters=False, before_concat=hook)
-                        if token is not None:
-                            h.accumulators.note(token)
-                if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
-                    with buffers_in_dtypes(self.module, self._buffer_dtypes):
-                        outputs = self._fsdp_wrapped_module(*args, **kwargs)
-                else:
-                    outputs = self._fsdp_wrapped_module(*args, **kwargs)
-            finally:
-                # Under no_grad no backward follows: nothing is worth keeping. Inside
-                # no_sync(keep_full_params=True) the full parameters stay until the next forward.
-                # See [Note: no_sync].
-                keep_full = grad_enabled and (
-                    not self._reshard_after_forward or (not self._ctx.sync and self._ctx.keep_full)
-                )
+        opened = OpenForward(token, record_function("FSDP::forward"))
+        self.training_state = TrainingState.FORWARD
+        opened.range.__enter__()
+        try:
+            with record_function("FSDP::all_gather"):
+                scheduler.throttle()
                 for h in self.handles:
-                    h.reshard(free_full=not keep_full)
-                if not keep_full and any(h.gathers for h in self.handles):
-                    scheduler.freed()  # See [Note: limit_all_gathers]
-                if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
-                    free_unused_prefetches([h for w in self._ctx.wrappers for h in w.handles])
-                    SideCopies.synchronize_all()  # no backward follows to wait for the host copies
-            if grad_enabled:
-                self._register_pre_backward_hooks(outputs, token)
-        if precision.clear_autocast_cache:
+                    h.prefetch(full)
+                scheduler.on_forward(self)  # See [Note: prefetch]
+                hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
+                for h in self.handles:
+                    h.unshard(full)
+                    h.use_full_views(as_parameters=False, before_concat=hook)
+                    if token is not None:
+                        h.accumulators.note(token)
+            if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
+                opened.buffers = buffers_in_dtypes(self.module, self._buffer_dtypes)
+                opened.buffers.__enter__()
+        except BaseException:
+            self._end_forward(opened)
+            raise
+        return args, kwargs, opened
+
+    def _end_forward(self, opened: OpenForward) -> None:
+        """Reshard after a forward (also one that raised) and return to IDLE."""
+        ctx = self._ctx
+        assert ctx is not None
+        try:
+            if opened.buffers is not None:
+                opened.buffers.__exit__(None, None, None)
+            # Under no_grad no backward follows: nothing is worth keeping. Inside
+            # no_sync(keep_full_params=True) the full parameters stay until the next forward.
+            # See [Note: no_sync].
+            grad_enabled = opened.token is not None
+            keep_full = grad_enabled and (not self._reshard_after_forward or (not ctx.sync and ctx.keep_full))
+            for h in self.handles:
+                h.reshard(free_full=not keep_full)
+            if not keep_full and any(h.gathers for h in self.handles):
+                ctx.scheduler.freed()  # See [Note: limit_all_gathers]
+            if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
+                free_unused_prefetches([h for w in ctx.wrappers for h in w.handles])
+                SideCopies.synchronize_all()  # no backward follows to wait for the host copies
+        finally:
+            self.training_state = TrainingState.IDLE
+            opened.range.__exit__(None, None, None)
+
+    def _after_forward(self, outputs: Any, token: GraphToken | None) -> Any:
+        if token is not None:
+            self._register_pre_backward_hooks(outputs, token)
+        if self.fsdp_config.precision.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
 
