@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, FSDPConfig, MixedPrecision, StateDictType, from_torch_fsdp
-from fsdp.consistency import CHECKPOINT_WRAPPED, plain_name
+from fsdp.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.mixed_precision import cast_inputs
 from fsdp.nest import visit_tensors
@@ -470,6 +470,7 @@ class TorchFSDPMethods:
         return [m for m in found if id(m) not in inner]
 
     @staticmethod
+    @collective("full_optim_state_dict()", agreed=("rank0_only",), owner="model")
     def full_optim_state_dict(
         model: nn.Module,
         optim: torch.optim.Optimizer,
@@ -497,6 +498,7 @@ class TorchFSDPMethods:
         return root.get_shard_from_optim_state_dict(full_optim_state_dict, optim)  # type: ignore[no-any-return]
 
     @staticmethod
+    @collective("scatter_full_optim_state_dict()", owner="model")
     def scatter_full_optim_state_dict(
         full_optim_state_dict: dict[str, Any] | None,
         model: nn.Module,
@@ -545,6 +547,7 @@ class TorchFSDPMethods:
         return _full_named(root, optim, _optim_rank0_only(root))
 
     @staticmethod
+    @collective("optim_state_dict_to_load()", owner="model")
     def optim_state_dict_to_load(
         model: nn.Module,
         optim: torch.optim.Optimizer,

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from fsdp.consistency import collective
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.optim_state import (
     OptimLoadPlan,
@@ -259,6 +260,7 @@ def _prepare_directory(root: Path) -> None:
 
 
 # ---------------------------------------------------------------------- save
+@collective("save_checkpoint()", owner="model")
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: FullyShardedDataParallel,
@@ -360,6 +362,7 @@ def save_checkpoint(
 
 
 # ---------------------------------------------------------------------- load
+@collective("load_checkpoint()", owner="model")
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: FullyShardedDataParallel,

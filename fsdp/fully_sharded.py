@@ -60,13 +60,20 @@ from fsdp.api import (
     default_gradient_predivide_factor,
 )
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
-from fsdp.collectives import CommStats, broadcast_from_first_rank
+from fsdp.collectives import CommStats, broadcast_from_first_rank, set_activity
 from fsdp.consistency import (
+    BACKWARD,
+    FORWARD,
     WRAPPED,
+    agree_on_construction,
+    agree_on_step,
+    agreement_group,
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
+    collective,
     wrapper_path,
+    wrapper_paths,
 )
 from fsdp.flat_param import (
     IgnoredStates,
@@ -128,6 +135,7 @@ class _RootContext:
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
     in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
     registrations: int  # the process's registration count at the root's last look at its modules
+    fingerprint: int  # digest of the wrapper tree, agreed at lazy init; every step's handshake carries it
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -143,6 +151,7 @@ class _RootContext:
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
         self.in_flight = collections.deque()
         self.registrations = -1
+        self.fingerprint = 0
 
     @property
     def wrappers(self) -> list[FullyShardedDataParallel]:
@@ -207,6 +216,7 @@ class FullyShardedDataParallel(
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
+    _path: str  # the path under the root, for messages (set at the root's lazy init)
 
     def __init__(
         self,
@@ -287,6 +297,14 @@ class FullyShardedDataParallel(
         compute_device = checked_device(compute_device, "compute_device")
         state_dict_device = checked_device(state_dict_device, "state_dict_device", allow_meta=True)
         strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
+        agree_on_construction(  # before any group is made. See [Note: agreement before communication]
+            agreement_group(strategy is ShardingStrategy.HYBRID_SHARD, process_group),
+            module,
+            {**options, "sharding_strategy": strategy, "reshard_after_forward": reshard_after_forward,
+             "mixed_precision": mixed_precision, "flatten_parameters": flatten_parameters,
+             "move_params_to_cpu": params_to_cpu, "backward_prefetch": (prefetch_pre, prefetch_post),
+             "compute_device": compute_device},
+        )  # fmt: skip
         groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
@@ -562,7 +580,9 @@ class FullyShardedDataParallel(
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
         rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
+        paths = wrapper_paths(self, wrappers)
         for w in wrappers:
+            w._path = paths[id(w)]
             w._is_root = w is self
             w._own_ctx = ctx if w._is_root else None
             w._ctx_ref = None if w._is_root else weakref.ref(ctx)
@@ -573,7 +593,7 @@ class FullyShardedDataParallel(
                 h.rs_bucketer = rs_bucketer
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
-        check_same_wrappers_on_all_ranks(self, wrappers)
+        ctx.fingerprint = check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
         _make_bucketer(self, ctx)
 
@@ -614,6 +634,9 @@ class FullyShardedDataParallel(
             return self._recompute_forward(*args, **kwargs)
         self.assert_state(TrainingState.IDLE)
         assert self._ctx is not None
+        if self._is_root:  # See [Note: agreement before communication]
+            agree_on_step(self, FORWARD)
+        set_activity("the forward", self._path)
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
         args, kwargs = self._cast_forward_inputs(args, kwargs)
@@ -718,6 +741,7 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         if not ctx.callback_queued:
+            agree_on_step(ctx.wrappers[0], BACKWARD)  # (the first hook of this backward)
             ctx.callback_queued = True
             root = ctx.wrappers[0]
             queue_end_of_backward(root._finalize_backward, "FullyShardedDataParallel")
@@ -728,6 +752,7 @@ class FullyShardedDataParallel(
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
         self.training_state = TrainingState.BACKWARD_PRE
         self._pre_backward_done = True
+        set_activity("the backward", self._path)
         # Views with autograd history, for a forward recomputed inside this backward (activation
         # checkpointing inside the wrapper reads the module's attributes again).
         with torch.enable_grad(), record_function("FSDP::pre_backward"):
@@ -769,6 +794,7 @@ class FullyShardedDataParallel(
                 )
             )
         self.training_state = TrainingState.BACKWARD_POST
+        set_activity("the gradient reduction", self._path)
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
             handle.reduce_grad(sync=ctx.sync, bucketed=index is not None)
@@ -798,6 +824,7 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         ctx.callback_queued = False
+        set_activity("the end of backward")
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
                 if ctx.bucketer is not None:
@@ -869,6 +896,7 @@ class FullyShardedDataParallel(
         finally:
             ctx.sync = previous
 
+    @collective("clip_grad_norm_()", agreed=("max_norm", "norm_type"))
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; return that norm.
 
