@@ -91,7 +91,9 @@ def lost_rank_message(group_ranks: Sequence[int], collective: str, launched_in: 
     ``group_ranks`` (global ranks): which of them stopped, and where this rank was."""
     me = dist.get_rank()
     here = host_code()
-    local, remote, unknown = [], [], []
+    local: list[int] = []
+    remote: list[int] = []
+    unknown: list[int] = []
     for r in group_ranks:
         proc = _processes.get(r)
         if r == me:
