@@ -236,3 +236,42 @@ def test_a_collective_method_on_one_rank_fails_on_every_rank(
         assert "the ranks are not making the same call" in msg, (rank, msg)
         assert f"{ENTERED[method]} on rank 0" in msg and f"{other} on rank 1" in msg, (rank, msg)
         assert seconds < 10, seconds
+
+
+def _different_modes(how: str) -> str:
+    model = _two_units()
+    model(torch.randn(4, 8)).sum().backward()
+    try:
+        if how == "no_grad":  # rank 0 evaluates while rank 1 trains
+            with torch.no_grad() if dist.get_rank() == 0 else torch.enable_grad():
+                model(torch.randn(4, 8))
+        elif how == "no_sync":  # rank 1 accumulates while rank 0 reduces: the backwards differ
+            loss = model(torch.randn(4, 8)).sum() if dist.get_rank() == 0 else None
+            if dist.get_rank() == 1:
+                with model.no_sync():
+                    model(torch.randn(4, 8)).sum().backward()
+            else:
+                assert loss is not None
+                loss.backward()
+        else:  # the same call with another max_norm
+            model.clip_grad_norm_(1.0 + dist.get_rank())
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("how", ["no_grad", "no_sync", "clip_max_norm"])
+def test_ranks_in_different_modes_or_with_different_arguments_fail(pool: RankPool, how: str) -> None:
+    expected = {
+        "no_grad": "RuntimeError: FullyShardedDataParallel: the ranks run the forward of the root differently "
+        "(every rank must run it in the same mode, since the mode decides what is gathered, kept and "
+        "reduced):\n  torch.is_grad_enabled(): False on rank 0; True on rank 1",
+        "no_sync": "the ranks run the forward of the root differently",
+        "clip_max_norm": "ValueError: FullyShardedDataParallel: the ranks called clip_grad_norm_() with different "
+        "arguments (every rank must pass the same):\n  max_norm: 1.0 on rank 0; 2.0 on rank 1",
+    }[how]
+    for msg in pool.run(_different_modes, how, timeout=60):
+        assert expected in msg, msg
+        if how == "no_sync":
+            assert "inside no_sync(): False on rank 0; True on rank 1" in msg, msg
