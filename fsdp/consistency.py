@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp.api import ShardingStrategy
 from fsdp.collectives import all_gather_ints, all_reduce, control_group, digest_of_text, set_activity
 from fsdp.lost_ranks import host_code, note_processes
 
@@ -259,6 +260,9 @@ def agree_on_entry(
         for r, code in zip(ranks, codes, strict=True):
             by_op.setdefault(_OPS.get(code, "an operation this rank does not know"), []).append(r)
         entered = "; ".join(f"{name} on {_ranks_text(rs)}" for name, rs in by_op.items())
+        if CONSTRUCTION in by_op:
+            entered += " (ranks that build a different number of wrappers meet here: an auto_wrap_policy "
+            entered += "that decides differently on some ranks, say)"
         raise RuntimeError(
             f"FullyShardedDataParallel: the ranks are not making the same call: {entered}. Every rank must "
             "construct the same wrappers, run the root's forward and backward, and call its collective "
@@ -330,17 +334,17 @@ _DECIDING = (
 )  # fmt: skip
 
 
-def agree_on_construction(
-    group: dist.ProcessGroup | None, module: nn.Module, options: Mapping[str, Any]
-) -> None:
-    """The constructor's handshake: every rank wraps a module of the same class and parameter count
-    with the same options (those of ``options`` that decide which collectives run, resolved), else a
-    ``ValueError`` on every rank names each option that differs and every rank's value. Collective."""
+def agree_on_construction(module: nn.Module, options: Mapping[str, Any]) -> None:
+    """The constructor's handshake over the wrapper's data-parallel group (:func:`agreement_group`):
+    every rank wraps a module of the same class and parameter count with the same options (those of
+    ``options``, the constructor's arguments with the resolved ones, that decide which collectives
+    run), else a ``ValueError`` on every rank names each option that differs and every rank's value."""
+    hybrid = options.get("sharding_strategy") is ShardingStrategy.HYBRID_SHARD
+    group = agreement_group(hybrid, options.get("process_group"))
     if group is None or dist.get_world_size(group) == 1:
         return
     mine = {name: _shown(options.get(name)) for name in _DECIDING}
     if options.get("process_group", 0) is None:  # the world, or per node under hybrid sharding
-        hybrid = _shown(options.get("sharding_strategy")) == "HYBRID_SHARD"
         mine["process_group"] = (
             f"per node (LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')})"
             if hybrid

@@ -67,7 +67,6 @@ from fsdp.consistency import (
     WRAPPED,
     agree_on_construction,
     agree_on_step,
-    agreement_group,
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
@@ -297,14 +296,12 @@ class FullyShardedDataParallel(
         compute_device = checked_device(compute_device, "compute_device")
         state_dict_device = checked_device(state_dict_device, "state_dict_device", allow_meta=True)
         strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
-        agree_on_construction(  # before any group is made. See [Note: agreement before communication]
-            agreement_group(strategy is ShardingStrategy.HYBRID_SHARD, process_group),
-            module,
-            {**options, "sharding_strategy": strategy, "reshard_after_forward": reshard_after_forward,
-             "mixed_precision": mixed_precision, "flatten_parameters": flatten_parameters,
-             "move_params_to_cpu": params_to_cpu, "backward_prefetch": (prefetch_pre, prefetch_post),
-             "compute_device": compute_device},
-        )  # fmt: skip
+        agree_on_construction(module, {  # before any group is made. See [Note: agreement before communication]
+            **options, "sharding_strategy": strategy, "reshard_after_forward": reshard_after_forward,
+            "mixed_precision": mixed_precision, "flatten_parameters": flatten_parameters,
+            "compute_device": compute_device, "move_params_to_cpu": params_to_cpu,
+            "backward_prefetch": (prefetch_pre, prefetch_post),
+        })  # fmt: skip
         groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:

@@ -144,6 +144,7 @@ def test_ranks_that_build_a_different_number_of_wrappers_fail(pool: RankPool) ->
         assert "the ranks are not making the same call" in msg, msg
         assert "the construction of a wrapper on rank 0" in msg, msg
         assert "the first use of the root (its lazy init) on rank 1" in msg, msg
+        assert "ranks that build a different number of wrappers meet here" in msg, msg
 
 
 # ---------------------------------------------------------------------- a collective method on one rank
