@@ -112,7 +112,11 @@ def check_same_wrappers_on_all_ranks(root: Any, wrappers: list[Any]) -> int:
     return digest
 
 
-def _raise_different_wrappers(control: dist.ProcessGroup, lines: list[str]) -> NoReturn:
+def _raise_different_wrappers(
+    control: dist.ProcessGroup,
+    lines: list[str],
+    what: str = "ranks built different FSDP wrappers (every rank must wrap the same model the same way)",
+) -> NoReturn:
     n = dist.get_world_size(control)
     everyone: list[Any] = [None] * n
     dist.all_gather_object(everyone, lines, group=control)
@@ -123,10 +127,7 @@ def _raise_different_wrappers(control: dist.ProcessGroup, lines: list[str]) -> N
         (f"rank {ranks[0]}: {a}\n  rank {ranks[first]}: {b}" for a, b in zip(rank0, theirs) if a != b),
         f"rank {ranks[0]} has {len(rank0)} wrappers, rank {ranks[first]} has {len(theirs)}",
     )
-    raise RuntimeError(
-        "FullyShardedDataParallel: ranks built different FSDP wrappers (every rank must wrap the same model "
-        f"the same way):\n  {diff}"
-    )
+    raise RuntimeError(f"FullyShardedDataParallel: {what}:\n  {diff}")
 
 
 def check_hybrid_grids(root: Any, wrappers: list[Any]) -> None:
@@ -382,7 +383,8 @@ def agree_on_step(root: Any, op: str) -> None:
                 f"FullyShardedDataParallel: the ranks run {op} differently (every rank must run it in the same "
                 "mode, since the mode decides what is gathered, kept and reduced):\n  " + "\n  ".join(lines)
             )
-        _raise_different_wrappers(control, fingerprint(root, ctx.wrappers))
+        what = f"in {op}, the ranks run different wrapped models (every rank must run the same model)"
+        _raise_different_wrappers(control, fingerprint(root, ctx.wrappers), what)
 
     agree_on_entry(root.fsdp_config.comm.dp_group, op, digest, explain)
 

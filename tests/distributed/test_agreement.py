@@ -276,3 +276,22 @@ def test_ranks_in_different_modes_or_with_different_arguments_fail(pool: RankPoo
         assert expected in msg, msg
         if how == "no_sync":
             assert "inside no_sync(): False on rank 0; True on rank 1" in msg, msg
+
+
+def _different_models() -> str:
+    """Two models trained in turn (a GAN's two halves, say); rank 1 runs them in the other order."""
+    first, second = _two_units(), FSDP(nn.Sequential(FSDP(nn.Linear(8, 3)), nn.Linear(3, 2)))
+    for model in (first, second):  # the first use of each, in the same order
+        model(torch.randn(2, 8))
+    try:
+        (first if dist.get_rank() == 0 else second)(torch.randn(2, 8))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_ranks_running_different_models_fail(pool: RankPool) -> None:
+    for msg in pool.run(_different_models, timeout=60):
+        assert "in the forward of the root, the ranks run different wrapped models" in msg, msg
+        assert "rank 0: <root> [Sequential]" in msg and "rank 1: <root> [Sequential]" in msg, msg
