@@ -471,8 +471,8 @@ def _timeout_seconds(group: dist.ProcessGroup) -> float:
 # against none in 34 with named groups). So a group of the world is made with local synchronization
 # when every rank has registered as many groups (one small all-gather says), else without it. A
 # second group of a subgroup is only made where every rank takes part (hybrid_groups); elsewhere
-# the subgroup itself serves; so does the handshakes' control group (control_group), which the
-# first wrapper construction makes before any other. (Under a device-bound default group NCCL
+# the subgroup itself serves. The handshakes' control group (control_group) follows the same rule;
+# the first wrapper construction makes it before any other group. (Under a device-bound default group NCCL
 # splits every new group from the world's communicator, which again needs every rank.)
 def _registered_groups_agree() -> bool:
     """Whether every rank has registered as many process groups (collective over the world)."""
