@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fsdp.api import FSDPConfig, MemoryState, TrainingState
+from fsdp.consistency import collective
 from fsdp.handle import FlatParamHandle
 
 __all__ = ["SummonMethods"]
@@ -51,6 +52,7 @@ class SummonMethods:
         raise NotImplementedError
 
     @contextlib.contextmanager
+    @collective("summon_full_params()", agreed=("recurse", "rank0_only", "with_grads"))
     def summon_full_params(
         self,
         recurse: bool = True,

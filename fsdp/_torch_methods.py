@@ -29,7 +29,7 @@ from torch import nn
 from fsdp import optim_state as optim_impl
 from fsdp._summon_methods import SummonMethods
 from fsdp.api import BackwardPrefetch, FSDPConfig, StateDictSettings, StateDictType
-from fsdp.consistency import CHECKPOINT_WRAPPED, plain_name
+from fsdp.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.state_layout import Layout, describe
 
 __all__ = ["InstanceOrStatic", "TorchFSDPMethods", "WholeModel"]
@@ -336,6 +336,7 @@ class TorchFSDPMethods:
         return optim_impl.sharded_optim_state_dict(whole.layout(), optim)
 
     @staticmethod
+    @collective("full_optim_state_dict()", agreed=("rank0_only",), owner="model")
     def full_optim_state_dict(
         model: nn.Module,
         optim: torch.optim.Optimizer,
@@ -363,6 +364,7 @@ class TorchFSDPMethods:
         return optim_impl.get_shard_from_optim_state_dict(whole.layout(), full_optim_state_dict, optim)
 
     @staticmethod
+    @collective("scatter_full_optim_state_dict()", owner="model")
     def scatter_full_optim_state_dict(
         full_optim_state_dict: dict[str, Any] | None,
         model: nn.Module,
@@ -411,6 +413,7 @@ class TorchFSDPMethods:
         return _full_named(whole.layout(), optim, whole.optim_rank0_only())
 
     @staticmethod
+    @collective("optim_state_dict_to_load()", owner="model")
     def optim_state_dict_to_load(
         model: nn.Module,
         optim: torch.optim.Optimizer,

@@ -67,13 +67,19 @@ from fsdp.api import (
     default_gradient_predivide_factor,
 )
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
-from fsdp.collectives import CommStats, broadcast_from_first_rank
+from fsdp.collectives import CommStats, broadcast_from_first_rank, set_activity
 from fsdp.consistency import (
+    BACKWARD,
+    FORWARD,
     WRAPPED,
+    agree_on_construction,
+    agree_on_step,
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
+    collective,
     wrapper_path,
+    wrapper_paths,
 )
 from fsdp.flat_param import (
     IgnoredStates,
@@ -141,6 +147,7 @@ class _RootContext:
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
     in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
     registrations: int  # the process's registration count at the root's last look at its modules
+    fingerprint: int  # digest of the wrapper tree, agreed at lazy init; every step's handshake carries it
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -157,6 +164,7 @@ class _RootContext:
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
         self.in_flight = collections.deque()
         self.registrations = -1
+        self.fingerprint = 0
 
     @property
     def wrappers(self) -> list[FullyShardedDataParallel]:
@@ -240,6 +248,7 @@ class FullyShardedDataParallel(
         StateDictMethods.sharded_optim_state_dict, TorchFSDPMethods._sharded_optim_state_dict_any
     )
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
+    _path: str  # the path under the root, for messages (set at the root's lazy init)
 
     def __init__(
         self,
@@ -325,6 +334,12 @@ class FullyShardedDataParallel(
         compute_device = checked_device(compute_device, "compute_device")
         state_dict_device = checked_device(state_dict_device, "state_dict_device", allow_meta=True)
         strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
+        agree_on_construction(module, {  # before any group is made. See [Note: agreement before communication]
+            **options, "sharding_strategy": strategy, "reshard_after_forward": reshard_after_forward,
+            "mixed_precision": mixed_precision, "flatten_parameters": flatten_parameters,
+            "compute_device": compute_device, "move_params_to_cpu": params_to_cpu,
+            "backward_prefetch": (prefetch_pre, prefetch_post),
+        })  # fmt: skip
         groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
@@ -587,7 +602,9 @@ class FullyShardedDataParallel(
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
         rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
+        paths = wrapper_paths(self, wrappers)
         for w in wrappers:
+            w._path = paths[id(w)]
             w._is_root = w is self
             w._own_ctx = ctx if w._is_root else None
             w._ctx_ref = None if w._is_root else weakref.ref(ctx)
@@ -598,7 +615,7 @@ class FullyShardedDataParallel(
                 h.rs_bucketer = rs_bucketer
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
-        check_same_wrappers_on_all_ranks(self, wrappers)
+        ctx.fingerprint = check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
         check_full_prec_in_eval(wrappers)
         _make_bucketer(self, ctx)
@@ -663,6 +680,9 @@ class FullyShardedDataParallel(
         wrapper] in fsdp/_direct_call.py)."""
         self.assert_state(TrainingState.IDLE)
         assert self._ctx is not None
+        if self._is_root:  # See [Note: agreement before communication]
+            agree_on_step(self, FORWARD)
+        set_activity("the forward", self._path)
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
         full = full_precision_in_eval(
@@ -797,6 +817,7 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         if not ctx.callback_queued:
+            agree_on_step(ctx.wrappers[0], BACKWARD)  # (the first hook of this backward)
             ctx.callback_queued = True
             root = ctx.wrappers[0]
             queue_end_of_backward(root._finalize_backward, "FullyShardedDataParallel")
@@ -807,6 +828,7 @@ class FullyShardedDataParallel(
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
         self.training_state = TrainingState.BACKWARD_PRE
         self._pre_backward_done = True
+        set_activity("the backward", self._path)
         # Views with autograd history, for a forward recomputed inside this backward (activation
         # checkpointing inside the wrapper reads the module's attributes again).
         with torch.enable_grad(), record_function("FSDP::pre_backward"):
@@ -848,6 +870,7 @@ class FullyShardedDataParallel(
                 )
             )
         self.training_state = TrainingState.BACKWARD_POST
+        set_activity("the gradient reduction", self._path)
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
             handle.reduce_grad(
@@ -879,6 +902,7 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         ctx.callback_queued = False
+        set_activity("the end of backward")
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
                 if ctx.bucketer is not None:
@@ -964,6 +988,7 @@ class FullyShardedDataParallel(
         ``keep_full_params=True``."""
         return ctx.keep_full or not self._reshard_after_forward
 
+    @collective("clip_grad_norm_()", agreed=("max_norm", "norm_type"))
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; return that norm.
 
