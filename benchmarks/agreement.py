@@ -1,7 +1,7 @@
 """What the cross-rank handshakes cost a training step of the example's GPT (see [Note: agreement
 before communication] in fsdp/consistency.py).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/agreement.py [--size 35M] [--rounds 12] \
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.agreement [--size 35M] [--rounds 12] \
         [--out out/agreement]
 
 Each forward and each backward of the root starts with one handshake (clip_grad_norm_() adds one
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,16 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _example import load_example, wrap_blocks  # noqa: E402
-
-import fsdp.fully_sharded  # noqa: E402
-from fsdp.consistency import FORWARD, agree_on_step  # noqa: E402
-
-# name -> (n_layer, n_embd, n_head), as in benchmarks/peers.py
-SIZES = {"1M": (2, 128, 4), "7M": (4, 384, 6), "35M": (11, 512, 8)}
+import fsdp.fully_sharded
+from benchmarks._example import wrap_blocks
+from benchmarks.peers import SIZES
+from examples.gpt import GPT
+from fsdp.consistency import FORWARD, agree_on_step
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,10 +61,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    example = load_example()
     n_layer, n_embd, n_head = SIZES[args.size]
     torch.manual_seed(0)
-    model = wrap_blocks(example.GPT(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0))
+    model = wrap_blocks(GPT(args.vocab, args.block_size, n_layer, n_embd, n_head, 0.0))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     n_params = sum(p.numel() for p in model.parameters()) * world  # (shards, padding included)
     gen = torch.Generator().manual_seed(1000 + rank)

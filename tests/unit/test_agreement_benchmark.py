@@ -1,4 +1,4 @@
-"""benchmarks/agreement.py at its smallest size, on two gloo ranks: it runs both variants in every
+"""`python -m benchmarks.agreement` at its smallest size, on two gloo ranks: it runs both variants in every
 round and reports the handshake's cost. Timings are not asserted (a shared machine says nothing
 about speed); what is asserted is what the script promises whatever the machine."""
 
@@ -21,7 +21,7 @@ def test_the_agreement_benchmark_pairs_every_round(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     args = ["--size", "1M", "--rounds", "2", "--handshakes", "3", "--clip", "--out", str(tmp_path)]
     proc = subprocess.run(
-        [*cmd, str(ROOT / "benchmarks" / "agreement.py"), *args],
+        [*cmd, "-m", "benchmarks.agreement", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
