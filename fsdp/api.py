@@ -270,7 +270,7 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"FullyShardedDataParallel: `{name}` must be a bool, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardingConfig:
     """How parameters are laid out and when full parameters are freed."""
 
@@ -347,7 +347,7 @@ class MixedPrecision:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
     """Resolved dtypes of one wrapper.
 
@@ -386,7 +386,7 @@ class PrecisionConfig:
         return self.param_dtype is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CommConfig:
     """Process groups and gradient reduction arithmetic.
 
@@ -426,7 +426,7 @@ class CommConfig:
             object.__setattr__(self, "dp_rank", self.rank)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StateDictConfig:
     """Where full state dict values go and who receives them."""
 
@@ -437,7 +437,7 @@ class StateDictConfig:
         _check_bool("state_dict_on_rank_0_only", self.state_dict_on_rank_0_only)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """CPU offload of the master shards and their gradients (fairscale's ``move_params_to_cpu``).
 
@@ -457,7 +457,7 @@ class OffloadConfig:
             cpu_offload = cpu_offload.offload_params
         params = _flag("move_params_to_cpu", move_params_to_cpu) or _flag("cpu_offload", cpu_offload)
         grads = params if move_grads_to_cpu is None else _flag("move_grads_to_cpu", move_grads_to_cpu)
-        return cls(params, grads)
+        return cls(params_to_cpu=params, grads_to_cpu=grads)
 
     def __post_init__(self) -> None:
         _check_bool("move_params_to_cpu", self.params_to_cpu)
@@ -470,7 +470,7 @@ class OffloadConfig:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """When all-gathers are launched (the root's values govern the whole tree).
 
@@ -499,7 +499,7 @@ class ScheduleConfig:
             _check_bool("forward_prefetch", self.forward_prefetch)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
     """Everything a wrapper was configured with, validated once at construction."""
 

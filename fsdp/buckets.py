@@ -50,7 +50,7 @@ class MissingGradientError(RuntimeError):
     """A trainable tensor got no gradient in a backward that reduces gradients, on some rank."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BucketConfig:
     """How a :class:`GradBucketer` groups, scales and returns gradients (apex's options).
 

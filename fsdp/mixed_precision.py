@@ -90,9 +90,16 @@ def resolve_precision(
                 )
         if mp is not None:  # torch's reading: the reduction and the buffers may still be cast
             return PrecisionConfig(
-                None, mp.reduce_dtype, mp.buffer_dtype, False, force_input_to_fp32, clear_autocast_cache
+                reduce_dtype=mp.reduce_dtype,
+                buffer_dtype=mp.buffer_dtype,
+                force_input_to_fp32=force_input_to_fp32,
+                clear_autocast_cache=clear_autocast_cache,
             )
-        return PrecisionConfig(None, None, buffer_dtype, False, force_input_to_fp32, clear_autocast_cache)
+        return PrecisionConfig(
+            buffer_dtype=buffer_dtype,
+            force_input_to_fp32=force_input_to_fp32,
+            clear_autocast_cache=clear_autocast_cache,
+        )
     for fqn, p in owned:
         if p.dtype != torch.float32:
             raise ValueError(
@@ -101,13 +108,13 @@ def resolve_precision(
                 "with mixed precision; register them as buffers instead)"
             )
     return PrecisionConfig(
-        mp.param_dtype,
-        mp.reduce_dtype,
-        mp.buffer_dtype,
-        mp.cast_root_forward_inputs or mp.cast_forward_inputs,
-        force_input_to_fp32,
-        clear_autocast_cache,
-        mp.cast_forward_inputs,
+        param_dtype=mp.param_dtype,
+        reduce_dtype=mp.reduce_dtype,
+        buffer_dtype=mp.buffer_dtype,
+        cast_root_forward_inputs=mp.cast_root_forward_inputs or mp.cast_forward_inputs,
+        force_input_to_fp32=force_input_to_fp32,
+        clear_autocast_cache=clear_autocast_cache,
+        cast_forward_inputs=mp.cast_forward_inputs,
         torch_input_casts=mixed_precision is not True,  # (a MixedPrecision: torch's way)
     )
 
