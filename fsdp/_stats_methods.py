@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp.collectives import CommStats
-from fsdp.handle import FlatParamHandle, MemoryStats
+from fsdp.handle import FlatParamHandle
 
 __all__ = ["StatsMethods"]
 
@@ -37,34 +37,28 @@ class StatsMethods:
 
     def memory_stats(self) -> dict[str, int]:
         """This rank's bytes in the whole tree: shards and their gradients, the full parameters,
-        and the buffers allocated to unshard, now and at the peak since the last reset."""
+        and the buffers allocated to unshard, now and at the peak since the last reset (before the
+        root's first forward nothing is counted: both are the bytes held now)."""
         handles = self._tree_handles()
         full = [h.spec.padded_numel * h.compute_dtype.itemsize for h in handles]
         shards = [h.sharded_data() for h in handles]
         grads = [h.flat_param.grad for h in handles if h.flat_param.grad is not None]
         memory = self._ctx.memory if self._ctx is not None else None
+        held = sum(h.unshard_bytes() for h in handles)
         return {
             "sharded_params": sum(t.numel() * t.element_size() for t in shards),
             "sharded_grads": sum(g.numel() * g.element_size() for g in grads),
             "full_params": sum(full),
             "largest_unit": max(full, default=0),
-            "unsharded": memory.current if memory is not None else sum(h.unshard_bytes() for h in handles),
-            "unsharded_peak": memory.peak if memory is not None else sum(m.peak for m in _distinct(handles)),
+            "unsharded": memory.current if memory is not None else held,
+            "unsharded_peak": memory.peak if memory is not None else held,
         }
 
     def reset_memory_stats(self) -> None:
         """Start the peak of ``memory_stats()["unsharded_peak"]`` over from the current value."""
         if self._ctx is not None:
             self._ctx.memory.reset()
-            return
-        for memory in _distinct(self._tree_handles()):
-            memory.reset()
 
     def _tree_handles(self) -> list[FlatParamHandle]:
         wrappers = self._ctx.wrappers if self._ctx is not None else self._wrappers()
         return [h for w in wrappers for h in w.handles]
-
-
-def _distinct(handles: list[FlatParamHandle]) -> list[MemoryStats]:
-    """The handles' memory counters, each once (before a root's lazy init each handle has its own)."""
-    return list({id(h.memory): h.memory for h in handles}.values())

@@ -134,11 +134,16 @@ def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
 
 
 class _RootContext:
-    """State shared by every wrapper under one root, created once at the root's lazy init."""
+    """State shared by every wrapper under one root, created once at the root's lazy init. It owns
+    the tree's statistics and bucketers; each handle gets the ones it uses at the lazy init
+    (``FlatParamHandle.join_root``) and drops them when the context is released."""
 
     device: DeviceHandle
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
+    rs_bucketer: (
+        ReduceScatterBucketer | None
+    )  # small gradients' reduce-scatters, shared (None: bucket_cap_mb=0)
     callback_queued: bool  # the end-of-backward callback of the current backward is queued
     sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is reduced
     keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
@@ -153,6 +158,8 @@ class _RootContext:
         self.device = device
         self.stats = CommStats()
         self.memory = MemoryStats()
+        cap = int(wrappers[0].fsdp_config.comm.bucket_cap_mb * 2**20)  # (the root's)
+        self.rs_bucketer = ReduceScatterBucketer(cap, self.stats) if cap > 0 else None
         # weakly: the root holds this context, so holding the root here would be a reference cycle
         # (a deleted model would then wait for the cyclic garbage collector to free its memory)
         self._wrappers = [weakref.ref(w) for w in wrappers]
@@ -476,7 +483,7 @@ class FullyShardedDataParallel(
         """Flatten and shard ``owned`` into this wrapper's flat parameters, replacing those it had."""
         for i in range(len(self.handles)):
             del self._parameters[f"flat_param_{i}"]
-        config, stats = self.fsdp_config, CommStats()
+        config = self.fsdp_config
         self.handles = []
         for entries, shared in group_params(owned, config.sharding.flatten_parameters):
             handle = FlatParamHandle(
@@ -485,7 +492,6 @@ class FullyShardedDataParallel(
                 module_of,
                 config.comm,
                 config.compute_device,
-                stats,
                 config.precision.param_dtype,
                 config.precision.reduce_dtype,
                 config.offload.params_to_cpu,
@@ -577,6 +583,7 @@ class FullyShardedDataParallel(
         for w in ctx.wrappers:
             for h in w.handles:
                 h.reshard(free_full=True)
+                h.leave_root()
             w._is_root, w._own_ctx, w._ctx_ref = None, None, None
             w._reshard_after_forward = w.fsdp_config.sharding.reshard_after_forward
 
@@ -608,8 +615,6 @@ class FullyShardedDataParallel(
         check_no_pending_ties(wrappers, _LIVE)
         ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
-        cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
-        rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
         paths = wrapper_paths(self, wrappers)
         for w in wrappers:
             w._path = paths[id(w)]
@@ -617,10 +622,7 @@ class FullyShardedDataParallel(
             w._own_ctx = ctx if w._is_root else None
             w._ctx_ref = None if w._is_root else weakref.ref(ctx)
             for h in w.handles:
-                h.stats = ctx.stats
-                ctx.memory.add(h.unshard_bytes())  # (kept from a summon, or from an earlier root)
-                h.memory = ctx.memory
-                h.rs_bucketer = rs_bucketer
+                h.join_root(ctx.stats, ctx.memory, ctx.rs_bucketer)
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         ctx.fingerprint = check_same_wrappers_on_all_ranks(self, wrappers)

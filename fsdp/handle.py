@@ -144,6 +144,19 @@ class MemoryStats:
         self.peak = self.current
 
 
+class _Uncounted(MemoryStats):
+    """What a handle counts in while no root holds it (before the first forward, or after its root's
+    context was released): nothing. Each root's context owns the one count of its tree."""
+
+    __slots__ = ()
+
+    def add(self, nbytes: int) -> None:
+        pass
+
+
+UNCOUNTED: MemoryStats = _Uncounted()
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
@@ -162,6 +175,8 @@ class FlatParamHandle:
     modules: list[nn.Module]  # owning module of each meta.params[i]
     shared_modules: list[nn.Module]  # owning module of each meta.shared[i]
     flat_param: nn.Parameter  # .data: _shard (SHARDED) or _active (UNSHARDED)
+    # stats, memory, rs_bucketer: the root's, handed over at its lazy init (join_root)
+    stats: CommStats | None  # collective calls and bytes of the tree (None: no root, not counted)
     memory: MemoryStats  # unshard buffers of the tree (the root's, from its lazy init)
     state: MemoryState
     compute_dtype: torch.dtype  # dtype of the all-gather and of compute
@@ -197,15 +212,13 @@ class FlatParamHandle:
         module_of: dict[str, nn.Module],
         comm: CommConfig,
         device: torch.device,
-        stats: CommStats,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
     ) -> None:
         self.meta = make_meta(entries, shared)
         self.comm = comm
-        self.stats = stats
-        self.memory = MemoryStats()
+        self.leave_root()  # (until the first forward's root hands over its objects)
         self.spec = shard_spec(self.meta.numel, comm.world_size, comm.rank)
         self.modules = [module_of[p.module_name] for p in self.meta.params]
         self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
@@ -311,12 +324,28 @@ class FlatParamHandle:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.comm = None  # type: ignore[assignment]  # (set by the wrapper right after)
-        self.stats, self.memory = CommStats(), MemoryStats()
+        self.leave_root()
         self._shard = self.flat_param.data
         if self.offloaded:
             self._shard = self.flat_param.data = DeviceHandle(self.compute_device).pin_memory(self._shard)
         self.flat_param.grad = None
         self._start_sharded()
+
+    # ------------------------------------------------------------------ the root's objects
+    def join_root(
+        self, stats: CommStats, memory: MemoryStats, rs_bucketer: ReduceScatterBucketer | None
+    ) -> None:
+        """Count collectives in ``stats`` and unshard buffers in ``memory``, and send small gradients
+        through ``rs_bucketer``: objects the root's context owns and hands to every handle of its tree
+        at its lazy init. The bytes this handle holds now (kept from a summon, or from an earlier root)
+        join ``memory``."""
+        self.stats, self.memory, self.rs_bucketer = stats, memory, rs_bucketer
+        memory.add(self.unshard_bytes())
+
+    def leave_root(self) -> None:
+        """Drop the root's objects (no root yet, or its context was released): nothing is counted and
+        every gradient is reduced on its own until the next root's lazy init."""
+        self.stats, self.memory, self.rs_bucketer = None, UNCOUNTED, None
 
     # ------------------------------------------------------------------ properties
     @property

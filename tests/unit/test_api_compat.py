@@ -459,6 +459,34 @@ def test_memory_stats_count_what_is_held_after_a_new_root(single_rank_group: Non
     assert root.memory_stats()["unsharded_peak"] == 2 * unit
 
 
+def test_the_root_context_owns_the_counters_and_bucketer_of_its_tree(single_rank_group: None) -> None:
+    options = {"mixed_precision": True, "reshard_after_forward": False}
+    inner = FSDP(nn.Linear(8, 8), **options)
+    root = FSDP(nn.Sequential(inner, nn.Linear(8, 8)), **options)
+    handles = [h for w in (root, inner) for h in w.handles]
+    x = torch.randn(4, 8)
+
+    def shared() -> list[tuple[object, ...]]:
+        return [(h.stats, h.memory, h.rs_bucketer) for h in handles]
+
+    with root.summon_full_params():
+        assert root.memory_stats()["unsharded"] == 2 * 72 * 4, "the fp32 masters are gathered"
+    assert all(stats is None and bucketer is None for stats, _, bucketer in shared()), "no root yet"
+    assert root.memory_stats()["unsharded_peak"] == 0, "before the first forward nothing is counted"
+    root(x)
+    ctx = root._ctx
+    assert ctx is not None and ctx.rs_bucketer is not None
+    assert shared() == [(ctx.stats, ctx.memory, ctx.rs_bucketer)] * len(handles), "one of each, the root's"
+    assert root.memory_stats()["unsharded"] == 2 * 72 * 2, "both units keep their fp16 full parameters"
+    root._reset_lazy_init()
+    assert all(stats is None and bucketer is None for stats, _, bucketer in shared()), "released"
+    root(x)
+    assert (
+        root._ctx is not ctx and shared() == [(root._ctx.stats, root._ctx.memory, root._ctx.rs_bucketer)] * 2
+    )
+    assert root.memory_stats()["unsharded"] == 2 * 72 * 2, "the new root counts from the bytes held"
+
+
 def test_a_constructor_that_raised_leaves_the_inner_wrappers_free(
     single_rank_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
