@@ -1,4 +1,4 @@
-"""FullyShardedDataParallel: the wrapper. Config, lazy init, forward, backward hooks, no_sync, clip.
+"""FullyShardedDataParallel: the wrapper. Construction, lazy init, forward, backward hooks, no_sync, clip.
 
 One wrapper owns the flat parameters (:class:`~fsdp.handle.FlatParamHandle`) of the parameters of
 its module that no inner wrapper owns. The lifecycle of one training step:
@@ -16,7 +16,6 @@ See [Note: flat parameter data] in handle.py for what ``flat_param.data`` is in 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -32,10 +31,12 @@ from torch.profiler import record_function as _record_function
 
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
+from fsdp._construct import Prepared, build_config, prepare_module
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._direct_call import DirectCallMethods, OpenForward
 from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
 from fsdp._module_ops import ModuleOps
+from fsdp._root_context import RootContext
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
@@ -44,35 +45,23 @@ from fsdp._torch_compat import (
     adopt_attached,
     check_full_prec_in_eval,
     full_precision_in_eval,
-    resolve_ignored,
-    torch_fsdp_options,
     torch_options_of,
-    without_own_precision,
-    wrap_children_with_policy,
 )
 from fsdp._torch_methods import InstanceOrStatic, TorchFSDPMethods
 from fsdp.api import (
-    CommConfig,
     FSDPConfig,
     MixedPrecision,
-    OffloadConfig,
     ProcessGroupName,
-    ScheduleConfig,
-    ShardingConfig,
     ShardingStrategy,
-    StateDictConfig,
     StateDictSettings,
     StateDictType,
     TrainingState,
-    default_gradient_predivide_factor,
 )
-from fsdp.buckets import GradBucketer, ReduceScatterBucketer
-from fsdp.collectives import CommStats, broadcast_from_first_rank, set_activity
+from fsdp.collectives import broadcast_from_first_rank, set_activity
 from fsdp.consistency import (
     BACKWARD,
     FORWARD,
     WRAPPED,
-    agree_on_construction,
     agree_on_step,
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
@@ -86,10 +75,8 @@ from fsdp.flat_param import (
     attached_after_wrapping,
     check_no_parameters_added,
     claim_modules,
-    collect_owned,
     group_params,
     mark_flattened,
-    own_parameters,
     registrations,
     resharded_in_backward,
     unsynced,
@@ -97,32 +84,24 @@ from fsdp.flat_param import (
 from fsdp.grad_hooks import GraphToken, OutputHook
 from fsdp.handle import (
     FlatParamHandle,
-    MemoryStats,
     clip_grad_norm_,
     finish_no_shard_buckets,
     free_unused_prefetches,
-    make_no_shard_bucketer,
 )
-from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers, resolve_precision
+from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers
 from fsdp.nest import visit_tensors
-from fsdp.schedule import Scheduler
 from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
-from fsdp.topology import (
-    checked_device,
-    choose_compute_device,
-    group_rank,
-    group_size,
-    is_stand_in,
-    materialize_device,
-    reduce_scatter_group,
-    resolve_groups,
-    resolve_strategy,
-)
 from fsdp.wrap import AutoWrapPolicy
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
 
 log = logging.getLogger(__name__)
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    return isinstance(module, FullyShardedDataParallel)
+
+
 # every wrapper alive: a parameter tied to one wrapped before (a sibling) is refused at construction
 _LIVE: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
@@ -131,61 +110,6 @@ _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled"
 def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
     """A profiler range named ``name`` (``FSDP::<phase>``); free when no profiler is recording."""
     return _record_function(name) if _profiling() else contextlib.nullcontext()
-
-
-class _RootContext:
-    """State shared by every wrapper under one root, created once at the root's lazy init. It owns
-    the tree's statistics and bucketers; each handle gets the ones it uses at the lazy init
-    (``FlatParamHandle.join_root``) and drops them when the context is released."""
-
-    device: DeviceHandle
-    stats: CommStats  # collective calls and bytes of every wrapper in the tree
-    memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
-    rs_bucketer: (
-        ReduceScatterBucketer | None
-    )  # small gradients' reduce-scatters, shared (None: bucket_cap_mb=0)
-    callback_queued: bool  # the end-of-backward callback of the current backward is queued
-    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is reduced
-    keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
-    bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
-    bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
-    scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
-    in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
-    registrations: int  # the process's registration count at the root's last look at its modules
-    fingerprint: int  # digest of the wrapper tree, agreed at lazy init; every step's handshake carries it
-
-    def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
-        self.device = device
-        self.stats = CommStats()
-        self.memory = MemoryStats()
-        cap = int(wrappers[0].fsdp_config.comm.bucket_cap_mb * 2**20)  # (the root's)
-        self.rs_bucketer = ReduceScatterBucketer(cap, self.stats) if cap > 0 else None
-        # weakly: the root holds this context, so holding the root here would be a reference cycle
-        # (a deleted model would then wait for the cyclic garbage collector to free its memory)
-        self._wrappers = [weakref.ref(w) for w in wrappers]
-        self.callback_queued = False
-        self.sync = True
-        self.keep_full = False
-        self.bucketer = None
-        self.bucket_index = {}
-        self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
-        self.in_flight = collections.deque()
-        self.registrations = -1
-        self.fingerprint = 0
-
-    @property
-    def wrappers(self) -> list[FullyShardedDataParallel]:
-        """Root first, then the nested wrappers in module order (those still alive)."""
-        return [w for w in self.wrappers_as_built() if w is not None]
-
-    def wrappers_as_built(self) -> list[FullyShardedDataParallel | None]:
-        """The wrappers at the root's lazy init; None for one that was removed and freed since."""
-        return [w() for w in self._wrappers]
-
-    def finish_reductions(self) -> None:
-        """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
-        while self.in_flight and self.in_flight[0].reduction_finishable:
-            self.in_flight.popleft().finalize_gradient(asynchronous=True)
 
 
 class FullyShardedDataParallel(
@@ -232,8 +156,10 @@ class FullyShardedDataParallel(
     fsdp_config: FSDPConfig
     handles: list[FlatParamHandle]
     training_state: TrainingState
-    _own_ctx: _RootContext | None  # the root's context (the root holds it)
-    _ctx_ref: weakref.ref[_RootContext] | None  # a nested wrapper's reference to its root's context
+    _own_ctx: RootContext[FullyShardedDataParallel] | None  # the root's context (the root holds it)
+    _ctx_ref: (
+        weakref.ref[RootContext[FullyShardedDataParallel]] | None
+    )  # a nested wrapper's reference to its root's context
     _is_root: bool | None  # None until lazy init
     _outer: weakref.ref[FullyShardedDataParallel] | None  # the live wrapper built around this one
     _frozen: bool  # .to() / to_empty() pass this wrapper by (while an outer one materializes)
@@ -299,185 +225,60 @@ class FullyShardedDataParallel(
         self._tstart = time.time()  # fairscale's clock of _print_r0
         run_eagerly_under_compile()  # See [Note: torch.compile]
         self._frozen = False
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        if not (dist.is_available() and (dist.is_initialized() or is_stand_in(process_group))):
-            raise RuntimeError(
-                "FullyShardedDataParallel needs torch.distributed: call "
-                "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
-            )
-        if not isinstance(sync_module_states, bool):
-            raise TypeError(
-                f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
-            )
-        if sync_module_states and is_stand_in(process_group) and group_size(process_group) > 1:
-            raise ValueError(
-                "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
-                "stand-in with rank() and size() cannot communicate; pass the real group"
-            )
-        torch_options = torch_fsdp_options(
-            sharding_strategy,
-            mixed_precision,
-            cpu_offload,
-            backward_prefetch,
-            device_id,
-            use_orig_params,
-            compute_device,
-            flatten_parameters,
-        )
-        (
-            sharding_strategy,
-            mixed_precision,
-            cpu_offload,
-            (prefetch_pre, prefetch_post),
-            compute_device,
-            flatten_parameters,
-        ) = torch_options
-        is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        # See [Note: ignored modules]
-        ignored = resolve_ignored(module, ignored_modules, ignored_states, is_wrapper)
-        offload = OffloadConfig.from_flags(move_params_to_cpu, cpu_offload, move_grads_to_cpu)
-        params_to_cpu = offload.params_to_cpu
-        compute_device = checked_device(compute_device, "compute_device")
-        state_dict_device = checked_device(state_dict_device, "state_dict_device", allow_meta=True)
-        strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
-        agree_on_construction(module, {  # before any group is made. See [Note: agreement before communication]
-            **options, "sharding_strategy": strategy, "reshard_after_forward": reshard_after_forward,
-            "mixed_precision": mixed_precision, "flatten_parameters": flatten_parameters,
-            "compute_device": compute_device, "move_params_to_cpu": params_to_cpu,
-            "backward_prefetch": (prefetch_pre, prefetch_post),
-        })  # fmt: skip
-        groups = resolve_groups(strategy, process_group)
-        rs_group = groups.shard
-        if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
-            rs_group = reduce_scatter_group(groups.shard, process_group_reduce_scatter, groups.shard_size)
-        dp_size = group_size(groups.dp)
-        pre = (
-            float(gradient_predivide_factor)
-            if gradient_predivide_factor
-            else default_gradient_predivide_factor(dp_size)
-        )
-
-        target = materialize_device(compute_device, params_to_cpu, groups.dp)
-        collected, _, inner = collect_owned(module, is_wrapper, ignored)
-        if auto_wrap_policy is not None:
-            collected = without_own_precision(collected, module, auto_wrap_policy, mixed_precision, ignored)
-        # every option is validated before a meta unit is materialized (dtypes are known on meta)
-        config = FSDPConfig(
-            sharding=ShardingConfig(
-                reshard_after_forward=reshard_after_forward,
-                disable_reshard_on_root=disable_reshard_on_root,
-                flatten_parameters=flatten_parameters,
-                strategy=strategy,
-            ),
-            precision=resolve_precision(
-                mixed_precision,
-                compute_dtype,
-                buffer_dtype,
-                fp32_reduce_scatter,
-                force_input_to_fp32,
-                clear_autocast_cache,
-                collected,
-            ),
-            comm=CommConfig(
-                process_group=groups.shard,
-                process_group_reduce_scatter=rs_group,
-                world_size=groups.shard_size,
-                rank=groups.shard_rank,
-                bucket_cap_mb=float(bucket_cap_mb),
-                gradient_predivide_factor=pre,
-                gradient_postdivide_factor=dp_size / pre,
-                replicate_group=groups.replicate,
-                dp_group=groups.dp,
-                dp_world_size=dp_size,
-                dp_rank=group_rank(groups.dp),
-            ),
-            state_dict=StateDictConfig(
-                state_dict_device=state_dict_device,
-                state_dict_on_rank_0_only=state_dict_on_rank_0_only,
-            ),
-            compute_device=target,
-            offload=offload,
-            schedule=ScheduleConfig(
-                backward_prefetch=prefetch_pre,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                backward_prefetch_post=prefetch_post,
-            ),
-            no_broadcast_optim_state=bool(no_broadcast_optim_state),
-            allow_reset_parameters=allow_reset_parameters,
-            verbose=verbose,
-        )
-        if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
-            # Only now, once every option and every parameter's dtype passed the checks above (those of
-            # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
-            existing = {id(w) for _, top in inner for w in top._wrappers()}
-            wrap_children_with_policy(
-                module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
-            )  # (not a subclass's)
-            _, _, inner = collect_owned(module, is_wrapper, ignored)
-            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
-                w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
-        nested = [w for _, top in inner for w in top._wrappers()]
-        for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
-            w._frozen = True
-        try:
-            owned, module_of, inner, before, tied = own_parameters(
-                module, is_wrapper, _LIVE, target, param_init_fn, ignored
-            )
-        finally:
-            for w in nested:
-                w._frozen = False
-        # original parameter order of the modules holding owned or tied parameters (before the ties move)
-        owning = {fqn.rpartition(".")[0] for fqn, _ in [*owned, *tied]}
-        self._module_param_order = {m: list(m._parameters) for name, m in module_of.items() if name in owning}
-        device = choose_compute_device(
-            compute_device,
-            module,
-            {p.device for _, p in owned},
-            {w.compute_device for _, w in inner},
-            params_to_cpu,
-            groups.dp,
-        )
-        self.fsdp_config = dataclasses.replace(config, compute_device=device)
+        # Every option is checked and agreed by the ranks before anything is wrapped or materialized.
+        plan = build_config(module, options, _is_wrapper)
+        prepared = prepare_module(module, plan, FullyShardedDataParallel, _LIVE, options)
+        self.fsdp_config = config = dataclasses.replace(plan.config, compute_device=prepared.device)
+        dp_group, device = plan.groups.dp, prepared.device
         if sync_module_states:  # rank 0's values, before sharding (after a deferred init)
-            broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
-        precision = config.precision
+            broadcast_from_first_rank([p for _, p in prepared.owned], dp_group, device, "parameters")
         self._fsdp_wrapped_module = module
         self._torch_style = built_torch_style(options)
         self._outer = None
-        # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
-        # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
-        adopted, originals, orders = adopt_tied(self, module, tied, module_of, nested, _LIVE, is_wrapper)
-        owned = [*owned, *adopted]
-        self.handles = []
-        self._build_handles(owned, module_of)
-        mark_flattened([*before, *owned])
-        claim_modules(self, self._module_param_order)
-        self._module_param_order.update(orders)  # (modules of inner wrappers showing adopted parameters)
-        originals = [*before, *owned, *originals]
-        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in originals})
-        self._original_names = {id(p): fqn for fqn, p in reversed(originals)}  # (meta ones: ties found later)
+        self._flatten_and_shard(prepared)
+        self._ignored = plan.ignored
+        self._paths_at_wrap = frozenset(prepared.module_of)
+        self._torch_options = torch_options_of(options, config.offload.params_to_cpu)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
-        self._ignored = ignored
-        self._paths_at_wrap = frozenset(module_of)
-        self._torch_options = torch_options_of(options, offload.params_to_cpu)
         self._buffer_dtypes = move_owned_buffers(
-            module, device, precision.buffer_dtype, lambda m: is_wrapper(m) or ignored.has_module(m)
+            module,
+            device,
+            config.precision.buffer_dtype,
+            lambda m: _is_wrapper(m) or plan.ignored.has_module(m),
         )
         if sync_module_states:
             buffers = [module.get_buffer(name) for name in self._buffer_dtypes]
-            broadcast_from_first_rank(buffers, groups.dp, device, "buffers")
+            broadcast_from_first_rank(buffers, dp_group, device, "buffers")
         self.training_state = TrainingState.IDLE
         self._own_ctx = self._ctx_ref = None
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
         self._is_root = None
-        self._reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward = config.sharding.reshard_after_forward
         self._pre_backward_done = False
-        self._hook_direct_calls(is_wrapper)  # See [Note: calls past the wrapper] in fsdp/_direct_call.py
-        for _, w in inner:  # last: a constructor that raised leaves its inner wrappers free
+        self._hook_direct_calls(_is_wrapper)  # See [Note: calls past the wrapper] in fsdp/_direct_call.py
+        for _, w in prepared.inner:  # last: a constructor that raised leaves its inner wrappers free
             w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         _LIVE.add(self)
+
+    def _flatten_and_shard(self, prepared: Prepared) -> None:
+        """Flatten and shard the parameters this wrapper owns (and those it adopts from ties across
+        wrappers) into its handles, and record the originals."""
+        # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
+        # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
+        module, module_of, inner = self._fsdp_wrapped_module, prepared.module_of, prepared.nested
+        self._module_param_order = prepared.param_order
+        adopted, originals, orders = adopt_tied(
+            self, module, prepared.tied, module_of, inner, _LIVE, _is_wrapper
+        )
+        owned = [*prepared.owned, *adopted]
+        self.handles = []
+        self._build_handles(owned, module_of)
+        mark_flattened([*prepared.replaced, *owned])
+        claim_modules(self, self._module_param_order)
+        self._module_param_order.update(orders)  # (modules of inner wrappers showing adopted parameters)
+        originals = [*prepared.replaced, *owned, *originals]
+        self._original_params = weakref.WeakValueDictionary({id(p): p for _, p in originals})
+        self._original_names = {id(p): fqn for fqn, p in reversed(originals)}  # (meta ones: ties found later)
 
     def _build_handles(self, owned: list[tuple[str, nn.Parameter]], module_of: dict[str, nn.Module]) -> None:
         """Flatten and shard ``owned`` into this wrapper's flat parameters, replacing those it had."""
@@ -553,7 +354,7 @@ class FullyShardedDataParallel(
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
 
     @property
-    def _ctx(self) -> _RootContext | None:
+    def _ctx(self) -> RootContext[FullyShardedDataParallel] | None:
         """The context shared by the tree, set at the root's lazy init. Nested wrappers refer to it
         weakly, so a deleted root is freed and its inner wrappers may go under a new one."""
         if self._own_ctx is not None:
@@ -613,7 +414,7 @@ class FullyShardedDataParallel(
                 )
             other.wrappers[0]._release_context()
         check_no_pending_ties(wrappers, _LIVE)
-        ctx = _RootContext(DeviceHandle(self.compute_device), wrappers)
+        ctx = RootContext(DeviceHandle(self.compute_device), wrappers)
         self._check_modules(wrappers, ctx)
         paths = wrapper_paths(self, wrappers)
         for w in wrappers:
@@ -622,16 +423,18 @@ class FullyShardedDataParallel(
             w._own_ctx = ctx if w._is_root else None
             w._ctx_ref = None if w._is_root else weakref.ref(ctx)
             for h in w.handles:
-                h.join_root(ctx.stats, ctx.memory, ctx.rs_bucketer)
+                ctx.share_with(h)  # (the bytes it holds now are counted from here on)
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
         ctx.fingerprint = check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
         check_full_prec_in_eval(wrappers)
-        _make_bucketer(self, ctx)
+        ctx.make_bucketer(self)
 
     def _check_modules(
-        self, built: Sequence[FullyShardedDataParallel | None], ctx: _RootContext | None = None
+        self,
+        built: Sequence[FullyShardedDataParallel | None],
+        ctx: RootContext[FullyShardedDataParallel] | None = None,
     ) -> None:
         """Refuse parameters or wrappers added under this root after wrapping. See [Note: parameters
         added after wrapping]."""
@@ -956,7 +759,7 @@ class FullyShardedDataParallel(
                 h.comm = comm
         ctx = self._ctx
         if ctx is not None:  # the NO_SHARD bucket engine was built with the old factors
-            _make_bucketer(ctx.wrappers[0], ctx)
+            ctx.make_bucketer(ctx.wrappers[0])
 
     # ------------------------------------------------------------------ gradient accumulation and clipping
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -992,7 +795,7 @@ class FullyShardedDataParallel(
         finally:
             ctx.sync, ctx.keep_full = previous
 
-    def _keeps_full_in_no_sync(self, ctx: _RootContext) -> bool:
+    def _keeps_full_in_no_sync(self, ctx: RootContext[FullyShardedDataParallel]) -> bool:
         """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
         the root and ``reshard_after_forward=False`` do (as outside), every unit does with
         ``keep_full_params=True``."""
@@ -1075,12 +878,3 @@ def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list[Full
     ``skip_empty``, only those that own parameters."""
     found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
     return [m for m in found if m.handles] if skip_empty else found
-
-
-# ---------------------------------------------------------------------- helpers
-def _make_bucketer(root: FullyShardedDataParallel, ctx: _RootContext) -> None:
-    """The bucket engine for the tree's NO_SHARD flat parameters (shared with DistributedDataParallel)."""
-    items = [(f"{wrapper_path(root, w)}:{'+'.join(h.meta.fqns)}", h) for w in ctx.wrappers for h in w.handles]
-    ctx.bucketer, ctx.bucket_index = make_no_shard_bucketer(
-        items, root.fsdp_config.comm.bucket_cap_mb, ctx.device, ctx.stats
-    )
