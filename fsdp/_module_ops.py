@@ -50,7 +50,8 @@ from torch import nn
 
 from fsdp.api import CommConfig, FSDPConfig, ShardingStrategy, TrainingState
 from fsdp.consistency import wrapper_path
-from fsdp.flat_param import claim_modules, collect_owned
+from fsdp.flat_param import collect_owned
+from fsdp.guards import claim_modules
 from fsdp.handle import FlatParamHandle
 from fsdp.topology import is_stand_in
 

@@ -78,16 +78,13 @@ from fsdp.flat_param import (
     IgnoredStates,
     attached_after_wrapping,
     check_no_parameters_added,
-    claim_modules,
     collect_owned,
     group_params,
-    mark_flattened,
     own_parameters,
-    registrations,
     resharded_in_backward,
-    unsynced,
 )
 from fsdp.grad_hooks import GraphToken, OutputHook
+from fsdp.guards import claim_modules, mark_flattened, registrations, unsynced
 from fsdp.handle import (
     FlatParamHandle,
     MemoryStats,

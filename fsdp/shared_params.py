@@ -41,13 +41,8 @@ import torch
 from torch import nn
 
 from fsdp.consistency import plain_name
-from fsdp.flat_param import (
-    collect_owned,
-    is_placeholder,
-    make_placeholder,
-    mark_flattened,
-    set_module_tensor,
-)
+from fsdp.flat_param import collect_owned, is_placeholder, make_placeholder, set_module_tensor
+from fsdp.guards import mark_flattened
 from fsdp.state_layout import gather_full_flat
 
 __all__ = ["PendingTie", "adopt_tied", "check_no_pending_ties", "check_shared_param"]
