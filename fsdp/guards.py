@@ -118,7 +118,7 @@ def unsynced(root: object, flat_params: Iterable[torch.Tensor]) -> Iterator[None
 _FLATTENED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
-def claim_modules(wrapper: nn.Module, modules: Iterable[nn.Module]) -> None:
+def claim_modules(wrapper: object, modules: Iterable[nn.Module]) -> None:
     """Record that ``wrapper`` flattened the parameters of ``modules`` (see :func:`check_not_wrapped_already`)."""
     ref = weakref.ref(wrapper)
     for m in modules:
