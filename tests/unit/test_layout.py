@@ -61,3 +61,14 @@ def test_library_never_prints() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id != "print", f"{path.name}: use logging or warnings, not print"
+
+
+def test_one_class_per_name() -> None:
+    """No two classes of the package share a name (a reader, or an import, would take one for the other)."""
+    defined: dict[str, list[str]] = {}
+    for path in sorted(PKG.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(path.name)
+    twice = {name: files for name, files in defined.items() if len(files) > 1}
+    assert not twice, f"classes defined more than once: {twice}"
