@@ -33,13 +33,12 @@ from torch.profiler import record_function as _record_function
 from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
+from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, is_expert
 from fsdp._module_ops import ModuleOps
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
-    TorchOptions,
     adopt_attached,
     check_full_prec_in_eval,
     full_precision_in_eval,
@@ -62,6 +61,7 @@ from fsdp.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    TorchOptions,
     TrainingState,
     default_gradient_predivide_factor,
 )
@@ -217,7 +217,7 @@ class FullyShardedDataParallel(
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
     _pending_ties: list[PendingTie]  # places of parameters owned by a wrapper outside this one
-    _torch_options: TorchOptions  # torch FSDP1's view of the options (its attributes, full precision in eval)
+    _torch_options: TorchOptions  # built torch FSDP1's way or fairscale's; torch's options as given
     _paths_at_wrap: frozenset[
         str
     ]  # the wrapped module's submodule paths at construction (ignored ones left out)
@@ -370,13 +370,10 @@ class FullyShardedDataParallel(
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             # Only now, once every option and every parameter's dtype passed the checks above (those of
             # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
-            existing = {id(w) for _, top in inner for w in top._wrappers()}
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
             )  # (not a subclass's)
             _, _, inner = collect_owned(module, is_wrapper, ignored)
-            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
-                w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
@@ -403,7 +400,6 @@ class FullyShardedDataParallel(
             broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
         precision = config.precision
         self._fsdp_wrapped_module = module
-        self._torch_style = built_torch_style(options)
         self._outer = None
         # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
         # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
@@ -420,7 +416,7 @@ class FullyShardedDataParallel(
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._ignored = ignored
         self._paths_at_wrap = frozenset(module_of)
-        self._torch_options = torch_options_of(options, offload.params_to_cpu)
+        self._torch_options = torch_options_of(options)
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: is_wrapper(m) or ignored.has_module(m)
         )
@@ -465,7 +461,7 @@ class FullyShardedDataParallel(
     @property
     def module(self) -> nn.Module:
         """The wrapped module (built torch's way), or fairscale's level above it (``FlattenParamsLevel``)."""
-        if self._torch_style:
+        if self._torch_options.torch_style:
             return self._fsdp_wrapped_module
         return cast(nn.Module, FlattenParamsLevel(self._fsdp_wrapped_module))
 
