@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import allocated_bytes
-from fsdp.api import CPUOffload, FSDPConfig, MixedPrecision, ShardingStrategy, TorchOptions, TrainingState
+from fsdp._wrapper_protocol import Wrapper, WrapperMixin
+from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
 from fsdp.consistency import WRAPPED, plain_name
 from fsdp.shared_params import check_shared_param
 
@@ -125,7 +126,7 @@ def _field(name: str, path: str) -> property:
     return _option(read)
 
 
-def is_expert(wrapper: Any, root: Any) -> bool:
+def is_expert(wrapper: Wrapper, root: Wrapper) -> bool:
     """Whether ``wrapper`` is an expert under ``root`` as fairscale defines one: its process group
     holds one rank while the root trains over more, so each rank holds other parameters there."""
     mine, roots = wrapper.fsdp_config.comm, root.fsdp_config.comm
@@ -137,26 +138,8 @@ def is_expert(wrapper: Any, root: Any) -> bool:
     )
 
 
-class FairscaleAttributes:
-    fsdp_config: FSDPConfig
-    _torch_options: TorchOptions  # built torch FSDP1's way or fairscale's
-    handles: list[Any]
-    training_state: TrainingState
-    _reshard_after_forward: bool
-    _wrappers: Callable[[], list[Any]]
-    _is_root: bool | None
-    _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
-    _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
-    _bind: Callable[[Any], None]  # ModuleOps's
-    # provided by the wrapper (the root's context, None before lazy init) and by StatsMethods
-    _ctx: Any
-    memory_stats: Callable[[], dict[str, int]]
-
-    def _context_is_idle(self) -> bool:
-        raise NotImplementedError
-
-    def _release_context(self) -> None:
-        raise NotImplementedError
+class FairscaleAttributes(WrapperMixin):
+    """fairscale's attributes and debugging aids on the wrapper (see the module docstring)."""
 
     def extra_repr(self) -> str:
         sharding = self.fsdp_config.sharding

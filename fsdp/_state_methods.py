@@ -19,43 +19,14 @@ from torch import nn
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
+from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch_fsdp
 
 __all__ = ["StateDictMethods"]
 
 
-class StateDictMethods:
+class StateDictMethods(WrapperMixin):
     """Full, local, sharded and consolidated state dicts; optimizer state gathered, sharded or in DCP form."""
-
-    # provided by the wrapper
-    _state_dict_settings: (
-        StateDictSettings  # what state_dict() / load_state_dict() mean; see state_dict_type()
-    )
-    _fsdp_wrapped_module: nn.Module
-    _buffer_dtypes: dict[str, torch.dtype]
-    handles: list[Any]
-    fsdp_config: Any
-
-    @property
-    def rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def compute_device(self) -> torch.device:
-        raise NotImplementedError
-
-    def _state_layout(self, root: nn.Module | None = None) -> Any:
-        """Where every original parameter and buffer of this wrapper tree lives (the wrapper's)."""
-        raise NotImplementedError
-
-    def _wrappers(self) -> list[Any]:
-        raise NotImplementedError
-
-    def _full_params_shown(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
-
-    def _state_dict_device(self) -> torch.device:
-        raise NotImplementedError
 
     @property
     def _state_dict_type(self) -> StateDictType:
@@ -73,7 +44,7 @@ class StateDictMethods:
 
     def _check_one_state_dict_type(self) -> None:
         """Every wrapper in this tree must mean the same kind of state dict (as torch FSDP requires)."""
-        kinds = {w._state_dict_type for w in self._wrappers()}
+        kinds = {w._state_dict_settings.state_dict_type for w in self._wrappers()}
         if len(kinds) > 1:
             raise ValueError(
                 "FullyShardedDataParallel: the wrappers in this model have different state dict types "

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from fsdp._wrapper_protocol import Wrapper, as_module
 from fsdp.api import BackwardPrefetch, MixedPrecision, TorchOptions, from_torch_fsdp
 from fsdp.consistency import plain_name
 from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
@@ -143,7 +144,7 @@ def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool, g
     return True
 
 
-def check_full_prec_in_eval(wrappers: list[Any]) -> None:
+def check_full_prec_in_eval(wrappers: Sequence[Wrapper]) -> None:
     """torch's rule: ``FSDP_USE_FULL_PREC_IN_EVAL`` (read when each wrapper is built) is one value for
     the whole tree; a tree built partly with it and partly without is refused at the root's lazy init."""
     with_it = [w for w in wrappers if w._torch_options.full_prec_in_eval]
@@ -210,14 +211,14 @@ def resolve_ignored(
     if not items:
         return NOTHING_IGNORED
     # every module inside `module`: its plain path and the nearest inner wrapper above it
-    where: dict[int, tuple[str, Any]] = {}
-    stack: list[tuple[nn.Module, str, Any]] = [(module, "", None)]
+    where: dict[int, tuple[str, Wrapper | None]] = {}
+    stack: list[tuple[nn.Module, str, Wrapper | None]] = [(module, "", None)]
     while stack:
         m, path, above = stack.pop()
         if id(m) in where:
             continue
         where[id(m)] = (plain_name(path), above)
-        below = m if m is not module and is_wrapper(m) else above
+        below = cast(Wrapper, m) if m is not module and is_wrapper(m) else above
         stack.extend((c, f"{path}.{n}" if path else n, below) for n, c in m._modules.items() if c is not None)
     roots = [x for x in items if isinstance(x, nn.Module)] if are_modules else []
     outside = [r for r in roots if id(r) not in where and not is_wrapper(r)]  # (torch: passed over)
@@ -240,7 +241,7 @@ def resolve_ignored(
 def _ignored_by_inner(
     root: nn.Module,
     module: nn.Module,
-    where: Mapping[int, tuple[str, Any]],
+    where: Mapping[int, tuple[str, Wrapper | None]],
     is_wrapper: Callable[[nn.Module], bool],
     arg: str,
 ) -> bool:
@@ -413,12 +414,12 @@ def wrap_children_with_policy(
     )
 
 
-def _built_by_policy(wrapper_cls: type, module: nn.Module, options: Mapping[str, Any]) -> Any:
+def _built_by_policy(wrapper_cls: type, module: nn.Module, options: Mapping[str, Any]) -> nn.Module:
     """A wrapper that the constructor's ``auto_wrap_policy`` builds around ``module``, with ``options``:
     built torch's way, like its root (see :func:`torch_options_of`)."""
-    wrapper = wrapper_cls(module, **options)
+    wrapper: Wrapper = wrapper_cls(module, **options)
     wrapper._torch_options = torch_options_of(options, by_torch_policy=True)
-    return wrapper
+    return as_module(wrapper)
 
 
 def _run_in_fp32(module: nn.Module) -> None:

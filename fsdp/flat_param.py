@@ -20,7 +20,7 @@ views of the flat parameter while it is unsharded (forward, backward) and, insid
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ __all__ = [
     "FlatParamMeta",
     "IgnoredStates",
     "ParamInfo",
+    "PendingTie",
     "SharedParamInfo",
     "check_no_parameters_added",
     "collect_owned",
@@ -451,16 +452,25 @@ def _unwrapped_modules(module: nn.Module, is_wrapper: Callable[[nn.Module], bool
     return out
 
 
+@dataclass(frozen=True)
+class PendingTie:
+    """A place in a wrapper's modules of a parameter that a wrapper outside it owns (a tie across wrappers
+    not resolved yet: see [Note: parameters shared across wrappers] in fsdp/shared_params.py)."""
+
+    fqn: str  # plain name relative to the wrapped module of the wrapper that records it
+    module: nn.Module  # the module that uses the parameter as ``module.<attr>``
+    attr: str
+    param: nn.Parameter  # the owner's original parameter (by identity)
+    owner: Callable[[], Any]  # weak reference to the wrapper that owned it when the tie was found
+
+
 def split_tied(
-    owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]], others: Iterable[Any] = ()
+    owned: list[tuple[str, nn.Parameter]], taken: Collection[int]
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """Split ``owned`` into the parameters that are new to wrapping and those that an inner wrapper,
-    or any other live wrapper (``others``: a sibling wrapped before), already owns: tied (shared)
-    with a module of this one. Wrappers remember their original parameters, the meta ones of a
-    deferred initialization included, in ``_original_params``. See [Note: parameters shared across
-    wrappers] in ``fsdp/shared_params.py``."""
-    wrappers = [w for _, wrapper in inner for w in wrapper._wrappers()] + list(others)
-    taken = {id(p) for w in wrappers for p in w._original_params.values()}
+    """Split ``owned`` into the parameters that are new to wrapping and those that another wrapper
+    already owns (``taken``: the ids of the original parameters of every inner wrapper and every
+    other live wrapper, a sibling wrapped before), tied (shared) with a module of this one. See
+    [Note: parameters shared across wrappers] in ``fsdp/shared_params.py``."""
     kept = [(fqn, p) for fqn, p in owned if id(p) not in taken]
     return kept, [(fqn, p) for fqn, p in owned if id(p) in taken]
 
@@ -468,7 +478,7 @@ def split_tied(
 def own_parameters(
     module: nn.Module,
     is_wrapper: Callable[[nn.Module], bool],
-    others: Iterable[Any],
+    taken: Collection[int],
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None,
     ignored: IgnoredStates = NOTHING_IGNORED,
@@ -480,14 +490,14 @@ def own_parameters(
     list[tuple[str, nn.Parameter]],
 ]:
     """What a new wrapper of ``module`` owns: :func:`collect_owned` less the parameters other wrappers
-    own (``others``: the live wrappers), after materializing a unit built on the meta device on
+    own (``taken``: the ids of their original parameters, see :func:`split_tied`), after materializing a unit built on the meta device on
     ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
     the names in this wrapper's modules of parameters that another wrapper owns (tied across wrappers,
     :func:`split_tied`), each with the owner's original parameter. Ignored modules are not
     materialized (an ignored parameter of a materialized module is, like torch's)."""
     owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
     check_not_wrapped_already(module_of)
-    owned, tied = split_tied(owned, inner, others)
+    owned, tied = split_tied(owned, taken)
     _check_not_tied_to_ignored([*owned, *tied], ignored)
     replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
     if replaced:  # (a tied name now holds a materialized stand-in: it stays the owner's parameter)

@@ -76,6 +76,7 @@ from fsdp.consistency import (
 )
 from fsdp.flat_param import (
     IgnoredStates,
+    PendingTie,
     attached_after_wrapping,
     check_no_parameters_added,
     collect_owned,
@@ -96,7 +97,7 @@ from fsdp.handle import (
 from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
-from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
+from fsdp.shared_params import adopt_tied, check_no_pending_ties
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
@@ -377,9 +378,11 @@ class FullyShardedDataParallel(
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
+        # the original parameters other wrappers own, inside this one or alive elsewhere (a tie across wrappers)
+        taken = {id(p) for w in [*nested, *_LIVE] for p in w._original_params.values()}
         try:
             owned, module_of, inner, before, tied = own_parameters(
-                module, is_wrapper, _LIVE, target, param_init_fn, ignored
+                module, is_wrapper, taken, target, param_init_fn, ignored
             )
         finally:
             for w in nested:
@@ -838,7 +841,7 @@ class FullyShardedDataParallel(
                 if ctx.bucketer is not None:
                     # first, so a rank that skipped a unit sends its bucket too (see the function)
                     finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
-                check_same_reductions_on_all_ranks(self, ctx.wrappers)
+                check_same_reductions_on_all_ranks(self, ctx.wrappers, ctx.stats)
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
