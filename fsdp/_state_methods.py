@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
+from fsdp import state_local
 from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch_fsdp
 
@@ -291,7 +292,7 @@ class StateDictMethods(WrapperMixin):
         ``nn.Module.state_dict``), or the parameters themselves with ``keep_vars``. As in fairscale,
         entries go into ``destination`` if given, under ``prefix``.
         """
-        local = sd_impl.local_state_dict(self._state_layout(), keep_vars)
+        local = state_local.local_state_dict(self._state_layout(), keep_vars)
         out = destination if destination is not None else OrderedDict()
         out.update((prefix + k, v) for k, v in local.items())
         return out
@@ -299,11 +300,11 @@ class StateDictMethods(WrapperMixin):
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load this rank's :meth:`local_state_dict`. Another world size, rank or wrap plan raises
         ``ValueError`` saying which; nothing is written unless every entry fits. Not collective."""
-        return sd_impl.load_local_state_dict(self._state_layout(), state_dict, strict)
+        return state_local.load_local_state_dict(self._state_layout(), state_dict, strict)
 
     def local_metadata_dict(self) -> dict[str, Any]:
         """What :meth:`consolidate_shard_weights` needs besides every rank's :meth:`local_state_dict`."""
-        return sd_impl.local_metadata_dict(self._state_layout())
+        return state_local.local_metadata_dict(self._state_layout())
 
     @staticmethod
     def consolidate_shard_weights(
@@ -314,7 +315,9 @@ class StateDictMethods(WrapperMixin):
     ) -> dict[str, torch.Tensor]:
         """The unwrapped model's full state dict from every rank's local state and metadata dicts, offline
         (no process group). See :func:`fsdp.state_local.consolidate_shard_weights`."""
-        return sd_impl.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+        return state_local.consolidate_shard_weights(
+            shard_weights, shard_metadata, with_module_buffers, strict
+        )
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Every parameter as a row-sharded ``DTensor`` and every buffer, keyed by its name in the unwrapped

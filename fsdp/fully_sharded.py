@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function as _record_function
 
-from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, is_expert
@@ -98,6 +97,7 @@ from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buff
 from fsdp.nest import visit_tensors
 from fsdp.schedule import Scheduler
 from fsdp.shared_params import adopt_tied, check_no_pending_ties
+from fsdp.state_layout import UnitSpec, describe
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
@@ -971,7 +971,7 @@ class FullyShardedDataParallel(
             w._adopt_attached(w._fsdp_wrapped_module.__class__.__name__)
         self._require_groups("a state dict or optimizer state")
         units = {
-            id(w): sd_impl.UnitSpec(
+            id(w): UnitSpec(
                 w._fsdp_wrapped_module,
                 tuple(w.handles),
                 w._module_param_order,
@@ -984,9 +984,7 @@ class FullyShardedDataParallel(
         }
         comm = self.fsdp_config.comm
         assert comm.dp_group is not None
-        return sd_impl.describe(
-            root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
-        )
+        return describe(root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device)
 
 
 FSDP = FullyShardedDataParallel

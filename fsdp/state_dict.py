@@ -6,7 +6,7 @@ persistent buffer, the unwrapped model's ``state_dict()`` keys). Everything here
 description and never imports the wrapper (loading a full state dict acts on the wrappers it is
 given, as ``fsdp._wrapper_protocol.Wrapper``).
 
-- **local**: this rank's flat shards; in ``fsdp/state_local.py`` (re-exported here).
+- **local**: this rank's flat shards; in ``fsdp/state_local.py``.
 - **sharded**: one entry per original parameter for ``torch.distributed.checkpoint`` (DCP), which
   reshards it from any world size to any other. See [Note: sharded state dict layout].
 
@@ -46,67 +46,31 @@ from torch.nn.modules.module import _IncompatibleKeys
 from fsdp._wrapper_protocol import Wrapper, as_module
 from fsdp.api import TrainingState
 from fsdp.consistency import CHECKPOINT_WRAPPED, WRAPPED, is_activation_wrapper, plain_name
-
-# The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
-# __all__), since fully_sharded.py reaches UnitSpec and describe through this module.
 from fsdp.state_layout import (
-    BufferSlot,
     Layout,
-    ParamSlot,
-    Unit,
-    UnitSpec,
     agree,
-    describe,
     digest_of,
     empty_sharded,
     gather_full_flat,
     is_dtensor,
-    row_range,
     shard_writes,
     to_sharded,
     value_kind,
     write_shard_,
 )
-from fsdp.state_local import (
-    LOCAL_STATE_KEY,
-    consolidate_shard_weights,
-    load_local_state_dict,
-    local_metadata_dict,
-    local_state_dict,
-)
 
 __all__ = [
-    "LOCAL_STATE_KEY",
-    "BufferSlot",
-    "Layout",
-    "ParamSlot",
     "ShardedLoadPlan",
-    "Unit",
-    "UnitSpec",
-    "agree",
     "apply_sharded_state_dict",
     "check_sharded_state_dict",
-    "consolidate_shard_weights",
-    "describe",
-    "digest_of",
-    "empty_sharded",
-    "gather_full_flat",
-    "load_local_state_dict",
     "load_sharded_state_dict",
-    "local_metadata_dict",
-    "local_state_dict",
     "module_names",
     "own_call",
     "own_call_running",
     "own_full_values",
-    "row_range",
-    "shard_writes",
     "sharded_state_dict",
     "sharded_state_dict_template",
     "skip_children_once",
-    "to_sharded",
-    "value_kind",
-    "write_shard_",
 ]
 
 log = logging.getLogger(__name__)
