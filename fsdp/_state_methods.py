@@ -22,6 +22,7 @@ from fsdp import state_dict as sd_impl
 from fsdp import state_local
 from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch_fsdp
+from fsdp.consistency import collective
 
 __all__ = ["StateDictMethods"]
 
@@ -146,6 +147,7 @@ class StateDictMethods(WrapperMixin):
             )
         return settings[0]
 
+    @collective("state_dict()", when=lambda w: w._state_dict_type is not StateDictType.LOCAL_STATE_DICT)
     def state_dict(
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> Any:
@@ -214,6 +216,7 @@ class StateDictMethods(WrapperMixin):
             )
         return self._load(state_dict, strict)
 
+    @collective("load_state_dict()", when=lambda w: w._state_dict_type is not StateDictType.LOCAL_STATE_DICT)
     def _load(
         self,
         state_dict: Mapping[str, Any],
@@ -319,17 +322,20 @@ class StateDictMethods(WrapperMixin):
             shard_weights, shard_metadata, with_module_buffers, strict
         )
 
+    @collective("sharded_state_dict()")
     def sharded_state_dict(self) -> dict[str, Any]:
         """Every parameter as a row-sharded ``DTensor`` and every buffer, keyed by its name in the unwrapped
         model, for ``torch.distributed.checkpoint.save`` / ``load`` (which reshard it to any world size).
         Collective. See [Note: sharded state dict layout] in fsdp/state_dict.py."""
         return sd_impl.sharded_state_dict(self._state_layout())
 
+    @collective("load_sharded_state_dict()")
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load a :meth:`sharded_state_dict` (e.g. filled by ``torch.distributed.checkpoint.load``). Collective;
         the ranks agree that names and shapes fit before anything is written."""
         return sd_impl.load_sharded_state_dict(self._state_layout(), state_dict, strict)
 
+    @collective("gather_full_optim_state_dict()", agreed=("ignored",))
     def gather_full_optim_state_dict(
         self, optim: torch.optim.Optimizer, **ignored: Any
     ) -> dict[str, Any] | None:
@@ -353,11 +359,13 @@ class StateDictMethods(WrapperMixin):
         ``model.parameters()``. The argument is not modified."""
         return optim_impl.get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
 
+    @collective("sharded_optim_state_dict()")
     def sharded_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, per-element state as row-sharded ``DTensor``s, for
         ``torch.distributed.checkpoint``: it reshards without being gathered on one rank. Collective."""
         return optim_impl.sharded_optim_state_dict(self._state_layout(), optim)
 
+    @collective("load_sharded_optim_state_dict()")
     def load_sharded_optim_state_dict(
         self, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]
     ) -> None:

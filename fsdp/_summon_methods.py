@@ -16,6 +16,7 @@ from torch import nn
 
 from fsdp._wrapper_protocol import Wrapper, WrapperMixin, as_module
 from fsdp.api import MemoryState, TrainingState
+from fsdp.consistency import collective
 
 __all__ = ["SummonMethods"]
 
@@ -26,6 +27,7 @@ class SummonMethods(WrapperMixin):
     _summon_rank0_only = False  # inside a summon_full_params(rank0_only=True)
 
     @contextlib.contextmanager
+    @collective("summon_full_params()", agreed=("recurse", "rank0_only", "with_grads"))
     def summon_full_params(
         self,
         recurse: bool = True,
@@ -96,6 +98,20 @@ class SummonMethods(WrapperMixin):
             with torch.no_grad():
                 for h, saved in snapshots:
                     h.sharded_data().copy_(saved)
+
+    def _forward_in_summon(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward inside ``summon_full_params()``, the way fairscale and torch FSDP1 users run
+        ``generate``: the module runs on the full parameters shown (in full precision); nothing is
+        gathered, freed or hooked for backward. Not for training: the gradients would reach the shown
+        parameters, which the context discards."""
+        if torch.is_grad_enabled() and any(h.requires_grad for h in self.handles):
+            raise RuntimeError(
+                "FullyShardedDataParallel: a forward inside summon_full_params() with gradients enabled: its "
+                "gradients would reach the full parameters shown, which the context discards on exit. Run it "
+                "under torch.no_grad(), or call the model outside the context (calls of the wrapper or of the "
+                "wrapped module gather what they need by themselves)"
+            )
+        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def _full_params_shown(self) -> Iterator[None]:

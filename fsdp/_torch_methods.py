@@ -31,7 +31,7 @@ from fsdp._state_methods import StateDictMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._wrapper_protocol import Wrapper, WrapperMixin
 from fsdp.api import BackwardPrefetch, StateDictSettings, StateDictType
-from fsdp.consistency import CHECKPOINT_WRAPPED, plain_name
+from fsdp.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.state_layout import Layout, describe
 
 __all__ = ["InstanceOrStatic", "TorchFSDPMethods", "WholeModel"]
@@ -328,6 +328,7 @@ class TorchFSDPMethods(WrapperMixin):
         return optim_impl.sharded_optim_state_dict(whole.layout(), optim)
 
     @staticmethod
+    @collective("full_optim_state_dict()", agreed=("rank0_only",), owner="model")
     def full_optim_state_dict(
         model: nn.Module,
         optim: torch.optim.Optimizer,
@@ -355,6 +356,7 @@ class TorchFSDPMethods(WrapperMixin):
         return optim_impl.get_shard_from_optim_state_dict(whole.layout(), full_optim_state_dict, optim)
 
     @staticmethod
+    @collective("scatter_full_optim_state_dict()", owner="model")
     def scatter_full_optim_state_dict(
         full_optim_state_dict: dict[str, Any] | None,
         model: nn.Module,
@@ -403,6 +405,7 @@ class TorchFSDPMethods(WrapperMixin):
         return _full_named(whole.layout(), optim, whole.optim_rank0_only())
 
     @staticmethod
+    @collective("optim_state_dict_to_load()", owner="model")
     def optim_state_dict_to_load(
         model: nn.Module,
         optim: torch.optim.Optimizer,

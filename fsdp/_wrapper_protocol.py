@@ -1,7 +1,8 @@
 """What the wrapper's mixins and the modules below it may use of a wrapper: a typed ``Protocol``.
 
 ``FullyShardedDataParallel`` is assembled from mixins (``_state_methods.py``, ``_stats_methods.py``,
-``_fairscale_attrs.py``, ``_summon_methods.py``, ``_torch_methods.py``, ``_module_ops.py``), and
+``_fairscale_attrs.py``, ``_summon_methods.py``, ``_direct_call.py``, ``_torch_methods.py``,
+``_module_ops.py``), and
 modules below it in the layering (``state_dict.py``, ``shared_params.py``, ``_torch_compat.py``)
 act on wrappers they are given. None of them may import the wrapper (it imports them), so they
 reach it through :class:`Wrapper`, which declares, with their types, exactly the members they use
@@ -27,6 +28,7 @@ from torch import nn
 from fsdp.api import FSDPConfig, StateDictSettings, TorchOptions, TrainingState
 from fsdp.collectives import CommStats
 from fsdp.flat_param import IgnoredStates, PendingTie
+from fsdp.grad_hooks import GraphToken
 from fsdp.handle import FlatParamHandle, MemoryStats
 from fsdp.state_layout import Layout
 
@@ -106,6 +108,14 @@ class Wrapper(Protocol):
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]: ...
 
     def _register_live(self) -> None: ...
+
+    # a forward in three steps (also entered past the wrapper, see fsdp/_direct_call.py); the opened
+    # forward is an ``fsdp._direct_call.OpenForward``, which a module above that one cannot name
+    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, Any]: ...
+
+    def _end_forward(self, opened: Any) -> None: ...
+
+    def _after_forward(self, outputs: Any, token: GraphToken | None) -> Any: ...
 
     # ------------------------------------------------------------------ one mixin's, used by others
     def _require_groups(self, what: str) -> None: ...

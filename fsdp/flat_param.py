@@ -161,8 +161,10 @@ def unflatten_views(
 # While its unit is sharded, an original parameter's module attribute (``layer.weight``) is a
 # meta-device stand-in of the original shape, dtype and requires_grad. Metadata reads work; any
 # operation on values raises, naming the parameter: without this, ``nn.init.zeros_(layer.weight)``
-# or ``layer.weight.requires_grad_(False)`` between steps, or calling an inner module directly,
-# would act on the stand-in and be ignored silently.
+# or ``layer.weight.requires_grad_(False)`` between steps would act on the stand-in and be ignored
+# silently. A call of a module (the wrapped one or one below it) gathers its unit first, so the
+# stand-ins meet only operations outside any call (See [Note: calls past the wrapper] in
+# fsdp/_direct_call.py).
 _METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "layout", "grad", "grad_fn", "is_leaf"}
     | {"is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "names", "itemsize", "nbytes"}
@@ -212,10 +214,10 @@ class _ShardedPlaceholder(torch.Tensor):
         if torch._C._current_graph_task_id() >= 0:  # inside a backward: a forward recomputed too late
             raise RuntimeError(resharded_in_backward(f"{what} on {name!r}"))
         raise RuntimeError(
-            f"FullyShardedDataParallel: {what} on {name!r}, which is sharded: outside the wrapper's forward and "
-            "backward a wrapped module's parameters are meta-device stand-ins with no values, and the operation "
-            "would be ignored. Read or change full parameters inside `with model.summon_full_params():`; freeze "
-            "or initialize parameters before wrapping; call the wrapper, not its inner module (`model.module(x)`)"
+            f"FullyShardedDataParallel: {what} on {name!r}, which is sharded: outside a call of the wrapped module "
+            "(or of one of its submodules) and its backward, a wrapped module's parameters are meta-device "
+            "stand-ins with no values, and the operation would be ignored. Read or change full parameters inside "
+            "`with model.summon_full_params():`; freeze or initialize parameters before wrapping"
         )
 
     # A copy or a pickle of a wrapped module holds stand-ins again (the wrapper copies its shards):
@@ -490,8 +492,8 @@ def own_parameters(
     list[tuple[str, nn.Parameter]],
 ]:
     """What a new wrapper of ``module`` owns: :func:`collect_owned` less the parameters other wrappers
-    own (``taken``: the ids of their original parameters, see :func:`split_tied`), after materializing a unit built on the meta device on
-    ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
+    own (``taken``: the ids of their original parameters), after materializing a unit built on the
+    meta device on ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
     the names in this wrapper's modules of parameters that another wrapper owns (tied across wrappers,
     :func:`split_tied`), each with the owner's original parameter. Ignored modules are not
     materialized (an ignored parameter of a materialized module is, like torch's)."""
