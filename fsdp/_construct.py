@@ -28,6 +28,7 @@ from fsdp._torch_compat import (
     without_own_precision,
     wrap_children_with_policy,
 )
+from fsdp._wrapper_protocol import Wrapper
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -67,7 +68,7 @@ class Plan:
     groups: ProcessGroups  # the shard / replicate / data-parallel groups
     ignored: IgnoredStates  # ignored_modules / ignored_states. See [Note: ignored modules]
     compute_device: torch.device | None  # as given (None: where the parameters are)
-    inner: list[tuple[str, Any]]  # the outermost wrappers already inside the module, by name
+    inner: list[tuple[str, Wrapper]]  # the outermost wrappers already inside the module, by name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +77,8 @@ class Prepared:
 
     owned: Params  # the parameters it flattens
     module_of: dict[str, nn.Module]  # its modules by name (ignored ones and inner wrappers' left out)
-    inner: list[tuple[str, Any]]  # the outermost wrappers inside it, by name
-    nested: list[Any]  # every wrapper inside it
+    inner: list[tuple[str, Any]]  # the outermost wrappers inside it, by name (collect_owned)
+    nested: list[Wrapper]  # every wrapper inside it
     replaced: Params  # the meta parameters that materialization replaced (empty if none)
     tied: Params  # names in its modules of parameters another wrapper owns, with the owner's parameter
     param_order: dict[nn.Module, list[str]]  # parameter order of the modules holding owned or tied ones
@@ -205,7 +206,7 @@ def prepare_module(
     module: nn.Module,
     plan: Plan,
     wrapper_cls: type,
-    live: Iterable[Any],
+    live: Iterable[Wrapper],
     options: dict[str, Any],
 ) -> Prepared:
     """Make ``module`` ready to be flattened by a new ``wrapper_cls``: torch's ``auto_wrap_policy``
@@ -217,18 +218,17 @@ def prepare_module(
     if policy is not None:  # torch FSDP's form: the same options for every wrapper built
         # Only now, once every option and every parameter's dtype passed the checks of build_config (those
         # of any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
-        existing = {id(w) for _, top in inner for w in top._wrappers()}
         wrap_children_with_policy(module, policy, wrapper_cls, options, ignored)  # (not a subclass's)
         _, _, inner = collect_owned(module, is_wrapper, ignored)
-        for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
-            w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
     nested = [w for _, top in inner for w in top._wrappers()]
     for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
         w._frozen = True
+    # the original parameters other wrappers own, inside this one or alive elsewhere (a tie across wrappers)
+    taken = {id(p) for w in [*nested, *live] for p in w._original_params.values()}
     config = plan.config
     try:
         owned, module_of, inner, replaced, tied = own_parameters(
-            module, is_wrapper, live, config.compute_device, options["param_init_fn"], ignored
+            module, is_wrapper, taken, config.compute_device, options["param_init_fn"], ignored
         )
     finally:
         for w in nested:

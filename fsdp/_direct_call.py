@@ -39,10 +39,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.api import TrainingState
 from fsdp.flat_param import IgnoredStates
 from fsdp.grad_hooks import GraphToken
-from fsdp.handle import FlatParamHandle
 
 __all__ = ["DirectCallHooks", "DirectCallMethods", "OpenForward", "region_modules"]
 
@@ -163,28 +163,11 @@ def region_modules(
     return [m for m in order if id(m) in wanted]
 
 
-class DirectCallMethods:
+class DirectCallMethods(WrapperMixin):
     """Hooks the wrapper's region so calls past the wrapper gather. See [Note: calls past the wrapper]."""
 
-    # provided by the wrapper
-    handles: list[FlatParamHandle]
-    training_state: TrainingState
-    _ignored: IgnoredStates
     _direct_call: DirectCall | None = None  # the forward entered past the wrapper, while it runs
-    _direct_hooks: list[RemovableHandle]
-    _fsdp_wrapped_module: nn.Module
-
-    def _lazy_init(self) -> None:
-        raise NotImplementedError
-
-    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, OpenForward]:
-        raise NotImplementedError
-
-    def _end_forward(self, opened: OpenForward) -> None:
-        raise NotImplementedError
-
-    def _after_forward(self, outputs: Any, token: GraphToken | None) -> Any:
-        raise NotImplementedError
+    _direct_hooks: list[RemovableHandle]  # the forward pre-hooks on the modules of the region
 
     def _hook_direct_calls(self, is_wrapper: Callable[[nn.Module], bool]) -> None:
         """Put the hooks on the modules of this wrapper's region (at construction)."""

@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import ShardingStrategy
-from fsdp.collectives import all_gather_ints, all_reduce, control_group, digest_of_text, set_activity
+from fsdp.collectives import (
+    CommStats,
+    all_gather_ints,
+    all_reduce,
+    control_group,
+    digest_of_text,
+    set_activity,
+)
 from fsdp.lost_ranks import host_code, note_processes
 
 __all__ = [
@@ -154,14 +161,14 @@ def check_hybrid_grids(root: Any, wrappers: list[Any]) -> None:
             )
 
 
-def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any]) -> None:
-    """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch."""
+def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any], stats: CommStats | None) -> None:
+    """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch
+    (``stats`` counts the check's all-reduce)."""
     handles = [(w, h) for w in wrappers for h in w.handles if h.requires_grad]
     if root.world_size == 1 or not handles:
         return
     mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
     both = torch.cat([mine, -mine]).to(root.compute_device)
-    stats = root._ctx.stats if root._ctx is not None else None
     assert root.fsdp_config.comm.dp_group is not None
     all_reduce(both, root.fsdp_config.comm.dp_group, op=dist.ReduceOp.MAX, stats=stats).wait()
     both = both.cpu()

@@ -29,19 +29,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function as _record_function
 
-from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._construct import Prepared, build_config, prepare_module
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._direct_call import DirectCallMethods, OpenForward
-from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
+from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, is_expert
 from fsdp._module_ops import ModuleOps
 from fsdp._root_context import RootContext
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
-    TorchOptions,
     adopt_attached,
     check_full_prec_in_eval,
     full_precision_in_eval,
@@ -55,6 +53,7 @@ from fsdp.api import (
     ShardingStrategy,
     StateDictSettings,
     StateDictType,
+    TorchOptions,
     TrainingState,
 )
 from fsdp.collectives import broadcast_from_first_rank, set_activity
@@ -72,16 +71,14 @@ from fsdp.consistency import (
 )
 from fsdp.flat_param import (
     IgnoredStates,
+    PendingTie,
     attached_after_wrapping,
     check_no_parameters_added,
-    claim_modules,
     group_params,
-    mark_flattened,
-    registrations,
     resharded_in_backward,
-    unsynced,
 )
 from fsdp.grad_hooks import GraphToken, OutputHook
+from fsdp.guards import claim_modules, mark_flattened, registrations, unsynced
 from fsdp.handle import (
     FlatParamHandle,
     clip_grad_norm_,
@@ -90,7 +87,8 @@ from fsdp.handle import (
 )
 from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers
 from fsdp.nest import visit_tensors
-from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
+from fsdp.shared_params import adopt_tied, check_no_pending_ties
+from fsdp.state_layout import UnitSpec, describe
 from fsdp.wrap import AutoWrapPolicy
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "get_fsdp_instances"]
@@ -169,7 +167,7 @@ class FullyShardedDataParallel(
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
     _pending_ties: list[PendingTie]  # places of parameters owned by a wrapper outside this one
-    _torch_options: TorchOptions  # torch FSDP1's view of the options (its attributes, full precision in eval)
+    _torch_options: TorchOptions  # built torch FSDP1's way or fairscale's; torch's options as given
     _paths_at_wrap: frozenset[
         str
     ]  # the wrapped module's submodule paths at construction (ignored ones left out)
@@ -233,12 +231,11 @@ class FullyShardedDataParallel(
         if sync_module_states:  # rank 0's values, before sharding (after a deferred init)
             broadcast_from_first_rank([p for _, p in prepared.owned], dp_group, device, "parameters")
         self._fsdp_wrapped_module = module
-        self._torch_style = built_torch_style(options)
         self._outer = None
         self._flatten_and_shard(prepared)
         self._ignored = plan.ignored
         self._paths_at_wrap = frozenset(prepared.module_of)
-        self._torch_options = torch_options_of(options, config.offload.params_to_cpu)
+        self._torch_options = torch_options_of(options)
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._buffer_dtypes = move_owned_buffers(
             module,
@@ -307,7 +304,7 @@ class FullyShardedDataParallel(
     @property
     def module(self) -> nn.Module:
         """The wrapped module (built torch's way), or fairscale's level above it (``FlattenParamsLevel``)."""
-        if self._torch_style:
+        if self._torch_options.torch_style:
             return self._fsdp_wrapped_module
         return cast(nn.Module, FlattenParamsLevel(self._fsdp_wrapped_module))
 
@@ -721,7 +718,7 @@ class FullyShardedDataParallel(
                 if ctx.bucketer is not None:
                     # first, so a rank that skipped a unit sends its bucket too (see the function)
                     finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
-                check_same_reductions_on_all_ranks(self, ctx.wrappers)
+                check_same_reductions_on_all_ranks(self, ctx.wrappers, ctx.stats)
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
@@ -852,7 +849,7 @@ class FullyShardedDataParallel(
             w._adopt_attached(w._fsdp_wrapped_module.__class__.__name__)
         self._require_groups("a state dict or optimizer state")
         units = {
-            id(w): sd_impl.UnitSpec(
+            id(w): UnitSpec(
                 w._fsdp_wrapped_module,
                 tuple(w.handles),
                 w._module_param_order,
@@ -865,9 +862,7 @@ class FullyShardedDataParallel(
         }
         comm = self.fsdp_config.comm
         assert comm.dp_group is not None
-        return sd_impl.describe(
-            root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
-        )
+        return describe(root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device)
 
 
 FSDP = FullyShardedDataParallel

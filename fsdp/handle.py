@@ -391,11 +391,6 @@ class FlatParamHandle:
         """This rank's shard (what ``flat_param.data`` is between steps)."""
         return self._shard
 
-    def full_data(self) -> torch.Tensor:
-        """The unpadded full flat tensor. Only valid while UNSHARDED."""
-        assert self.state is MemoryState.UNSHARDED, "full data read while sharded"
-        return self._active[: self.meta.numel]
-
     def unshard_bytes(self) -> int:
         """The bytes this handle's unshard buffers hold now (what :class:`MemoryStats` counts)."""
         held = [] if self.aliased else [self._full]
