@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from torch import nn
 
 from fsdp._device import DeviceHandle
-from fsdp.api import FSDPConfig
+from fsdp._wrapper_protocol import Wrapper
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
 from fsdp.collectives import CommStats
 from fsdp.consistency import wrapper_path
@@ -25,14 +25,7 @@ from fsdp.schedule import Scheduler
 __all__ = ["RootContext"]
 
 
-class _Unit(Protocol):
-    """What the context reads of a wrapper."""
-
-    handles: list[FlatParamHandle]
-    fsdp_config: FSDPConfig
-
-
-W = TypeVar("W", bound=_Unit)
+W = TypeVar("W", bound=Wrapper)
 
 
 class RootContext(Generic[W]):

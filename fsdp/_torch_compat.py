@@ -125,7 +125,12 @@ def torch_options_of(options: Mapping[str, Any], by_torch_policy: bool = False) 
         or not isinstance(offload, bool)
         or any(options.get(k, default) is not default for k, default in _TORCH_ONLY_DEFAULTS.items())
     )
-    return TorchOptions(torch_style, mp, offload, os.environ.get(FULL_PREC_IN_EVAL, "") == "1")
+    return TorchOptions(
+        torch_style=torch_style,
+        mixed_precision=mp,
+        cpu_offload=offload,
+        full_prec_in_eval=os.environ.get(FULL_PREC_IN_EVAL, "") == "1",
+    )
 
 
 def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool, grad_enabled: bool) -> bool:

@@ -36,7 +36,7 @@ __all__ = ["TreeContext", "Wrapper", "WrapperMixin", "as_module"]
 
 
 class TreeContext(Protocol):
-    """The state a root shares with every wrapper of its tree (``fully_sharded._RootContext``)."""
+    """The state a root shares with every wrapper of its tree (``fsdp._root_context.RootContext``)."""
 
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak

@@ -500,7 +500,7 @@ class ScheduleConfig:
             _check_bool("forward_prefetch", self.forward_prefetch)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TorchOptions:
     """How a wrapper was built, torch FSDP1's way or fairscale's, decided once from the constructor's
     arguments as given (``fsdp._torch_compat.torch_options_of``). Where the two libraries differ

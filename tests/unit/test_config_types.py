@@ -16,6 +16,7 @@ from fsdp.api import (
     ScheduleConfig,
     ShardingConfig,
     StateDictConfig,
+    TorchOptions,
 )
 from fsdp.buckets import BucketConfig
 
@@ -27,6 +28,7 @@ CONFIGS = [
     OffloadConfig,
     ScheduleConfig,
     FSDPConfig,
+    TorchOptions,
     BucketConfig,
 ]
 
