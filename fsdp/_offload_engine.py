@@ -88,7 +88,7 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"OffloadModel: `{name}` must be >= 1, got {value}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OffloadModelConfig:
     """The validated options of an :class:`OffloadModel`.
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from fsdp._offload_engine import OffloadModelConfig
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -30,6 +31,7 @@ CONFIGS = [
     FSDPConfig,
     TorchOptions,
     BucketConfig,
+    OffloadModelConfig,
 ]
 
 
