@@ -41,6 +41,7 @@ class TreeContext(Protocol):
     stats: CommStats  # collective calls and bytes of every wrapper in the tree
     memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
     sync: bool  # False inside the root's no_sync()
+    keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
 
     @property
     def wrappers(self) -> Sequence[Wrapper]:

@@ -1,4 +1,4 @@
-"""FullyShardedDataParallel: the wrapper. Construction, lazy init, forward, backward hooks, no_sync, clip.
+"""FullyShardedDataParallel: the wrapper. Construction, lazy init, forward, backward hooks.
 
 One wrapper owns the flat parameters (:class:`~fsdp.handle.FlatParamHandle`) of the parameters of
 its module that no inner wrapper owns. The lifecycle of one training step:
@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -34,6 +34,7 @@ from fsdp._construct import Prepared, build_config, prepare_module
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp._direct_call import DirectCallMethods, OpenForward
 from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, is_expert
+from fsdp._grad_methods import GradientMethods
 from fsdp._module_ops import ModuleOps
 from fsdp._root_context import RootContext
 from fsdp._state_methods import StateDictMethods
@@ -65,7 +66,6 @@ from fsdp.consistency import (
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
-    collective,
     wrapper_path,
     wrapper_paths,
 )
@@ -78,10 +78,9 @@ from fsdp.flat_param import (
     resharded_in_backward,
 )
 from fsdp.grad_hooks import GraphToken, OutputHook
-from fsdp.guards import claim_modules, mark_flattened, registrations, unsynced
+from fsdp.guards import claim_modules, mark_flattened, registrations
 from fsdp.handle import (
     FlatParamHandle,
-    clip_grad_norm_,
     finish_no_shard_buckets,
     free_unused_prefetches,
 )
@@ -115,6 +114,7 @@ class FullyShardedDataParallel(
     SummonMethods,
     StateDictMethods,
     StatsMethods,
+    GradientMethods,
     TorchFSDPMethods,
     ModuleOps,
     DirectCallMethods,
@@ -758,7 +758,8 @@ class FullyShardedDataParallel(
         if ctx is not None:  # the NO_SHARD bucket engine was built with the old factors
             ctx.make_bucketer(ctx.wrappers[0])
 
-    # ------------------------------------------------------------------ gradient accumulation and clipping
+    # ------------------------------------------------------------------ gradient accumulation
+    # no_sync() and clip_grad_norm_() are in fsdp/_grad_methods.py.
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; also drops what ``no_sync()`` accumulated in this subtree."""
         super().zero_grad(set_to_none)
@@ -766,72 +767,11 @@ class FullyShardedDataParallel(
             for h in w.handles:
                 h.discard_accumulated_grad()
 
-    @contextlib.contextmanager
-    def no_sync(self, keep_full_params: bool = False) -> Generator[None, None, None]:
-        """Accumulate gradients over several backward passes without reducing them (on the root).
-
-        The first backward after the context reduces the sum once: k micro-batches equal one
-        k-times larger batch. Full parameters follow ``reshard_after_forward`` as outside (as in
-        fairscale); ``keep_full_params=True`` keeps every unit's, so nothing is communicated after
-        the first micro-batch. See [Note: no_sync].
-        """
-        if not isinstance(keep_full_params, bool):
-            raise TypeError(
-                f"FullyShardedDataParallel.no_sync: keep_full_params must be a bool, got {keep_full_params!r}"
-            )
-        self._require_root("no_sync()")
-        ctx = self._ctx
-        assert ctx is not None
-        for w in ctx.wrappers:
-            w.assert_state(TrainingState.IDLE)
-        previous = ctx.sync, ctx.keep_full
-        ctx.sync, ctx.keep_full = False, keep_full_params
-        try:
-            with unsynced(self, (h.flat_param for w in ctx.wrappers for h in w.handles)):
-                yield
-        finally:
-            ctx.sync, ctx.keep_full = previous
-
     def _keeps_full_in_no_sync(self, ctx: RootContext[FullyShardedDataParallel]) -> bool:
         """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
         the root and ``reshard_after_forward=False`` do (as outside), every unit does with
         ``keep_full_params=True``."""
         return ctx.keep_full or not self._reshard_after_forward
-
-    @collective("clip_grad_norm_()", agreed=("max_norm", "norm_type"))
-    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
-        """Clip the gradients of the whole model by their global norm; return that norm.
-
-        Call it on the root after backward, on every rank. The norm is computed over every rank's
-        gradient shards (one all-reduce over the data-parallel group; replicas counted once, expert
-        units on smaller groups once per rank that holds them), so it is identical on all ranks and
-        equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Ignored parameters count
-        once, with this rank's gradients (they are not reduced).
-        """
-        self._require_root("clip_grad_norm_()")
-        ctx = self._ctx
-        assert ctx is not None
-        self.assert_state(TrainingState.IDLE)
-        if not ctx.sync:
-            raise RuntimeError(
-                "FullyShardedDataParallel: clip_grad_norm_() inside no_sync(): the accumulated gradients are not "
-                "reduced yet, so there is nothing to clip; call it after the backward outside no_sync()"
-            )
-        handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
-        ignored = {id(p): p for w in ctx.wrappers for p in w._ignored.tensors() if p.requires_grad}
-        group, device = self.fsdp_config.comm.dp_group, self.compute_device
-        return clip_grad_norm_(
-            handles, float(max_norm), float(norm_type), device, ctx.stats, [*ignored.values()], group
-        )
-
-    def _require_root(self, what: str) -> None:
-        if self._is_root is None and not self._inside_another:
-            self._lazy_init()
-        if not self._is_root:
-            raise RuntimeError(
-                f"FullyShardedDataParallel: {what} must be called on the root (outermost) wrapper, not on an "
-                "inner one: it acts on the whole model"
-            )
 
     # ------------------------------------------------------------------ state dicts
     # The methods are in fsdp/_state_methods.py; their bodies in fsdp/state_dict.py and fsdp/optim_state.py.
