@@ -101,6 +101,7 @@ def _is_wrapper(module: nn.Module) -> bool:
 
 # every wrapper alive: a parameter tied to one wrapped before (a sibling) is refused at construction
 _LIVE: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
+_Context = RootContext["FullyShardedDataParallel"]  # the context a root shares with its tree
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
 
 
@@ -154,10 +155,8 @@ class FullyShardedDataParallel(
     fsdp_config: FSDPConfig
     handles: list[FlatParamHandle]
     training_state: TrainingState
-    _own_ctx: RootContext[FullyShardedDataParallel] | None  # the root's context (the root holds it)
-    _ctx_ref: (
-        weakref.ref[RootContext[FullyShardedDataParallel]] | None
-    )  # a nested wrapper's reference to its root's context
+    _own_ctx: _Context | None  # the root's context (the root holds it)
+    _ctx_ref: weakref.ref[_Context] | None  # a nested wrapper's reference to its root's context
     _is_root: bool | None  # None until lazy init
     _outer: weakref.ref[FullyShardedDataParallel] | None  # the live wrapper built around this one
     _frozen: bool  # .to() / to_empty() pass this wrapper by (while an outer one materializes)
@@ -351,7 +350,7 @@ class FullyShardedDataParallel(
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
 
     @property
-    def _ctx(self) -> RootContext[FullyShardedDataParallel] | None:
+    def _ctx(self) -> _Context | None:
         """The context shared by the tree, set at the root's lazy init. Nested wrappers refer to it
         weakly, so a deleted root is freed and its inner wrappers may go under a new one."""
         if self._own_ctx is not None:
@@ -429,9 +428,7 @@ class FullyShardedDataParallel(
         ctx.make_bucketer(self)
 
     def _check_modules(
-        self,
-        built: Sequence[FullyShardedDataParallel | None],
-        ctx: RootContext[FullyShardedDataParallel] | None = None,
+        self, built: Sequence[FullyShardedDataParallel | None], ctx: _Context | None = None
     ) -> None:
         """Refuse parameters or wrappers added under this root after wrapping. See [Note: parameters
         added after wrapping]."""
@@ -767,7 +764,7 @@ class FullyShardedDataParallel(
             for h in w.handles:
                 h.discard_accumulated_grad()
 
-    def _keeps_full_in_no_sync(self, ctx: RootContext[FullyShardedDataParallel]) -> bool:
+    def _keeps_full_in_no_sync(self, ctx: _Context) -> bool:
         """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
         the root and ``reshard_after_forward=False`` do (as outside), every unit does with
         ``keep_full_params=True``."""

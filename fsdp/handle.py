@@ -144,6 +144,16 @@ class MemoryStats:
         self.peak = self.current
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: NaN equals itself and -0.0 differs from 0.0 (``torch.equal`` says otherwise)."""
+    return a.dtype == b.dtype and torch.equal(
+        a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    )
+
+
 class _Uncounted(MemoryStats):
     """What a handle counts in while no root holds it (before the first forward, or after its root's
     context was released): nothing. Each root's context owns the one count of its tree."""
@@ -155,16 +165,6 @@ class _Uncounted(MemoryStats):
 
 
 UNCOUNTED: MemoryStats = _Uncounted()
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality: NaN equals itself and -0.0 differs from 0.0 (``torch.equal`` says otherwise)."""
-    return a.dtype == b.dtype and torch.equal(
-        a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
-    )
 
 
 class FlatParamHandle:
