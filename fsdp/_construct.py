@@ -90,23 +90,7 @@ def build_config(module: nn.Module, options: dict[str, Any], is_wrapper: Callabl
     agree on them with the other ranks, and resolve them into one config. Collective (the handshake);
     changes nothing: a mistake raises ``TypeError`` / ``ValueError`` before anything is wrapped or
     materialized."""
-    process_group, sync_module_states = options["process_group"], options["sync_module_states"]
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-    if not (dist.is_available() and (dist.is_initialized() or is_stand_in(process_group))):
-        raise RuntimeError(
-            "FullyShardedDataParallel needs torch.distributed: call "
-            "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
-        )
-    if not isinstance(sync_module_states, bool):
-        raise TypeError(
-            f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
-        )
-    if sync_module_states and is_stand_in(process_group) and group_size(process_group) > 1:
-        raise ValueError(
-            "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
-            "stand-in with rank() and size() cannot communicate; pass the real group"
-        )
+    _check_can_wrap(module, options)
     (
         sharding_strategy,
         mixed_precision,
@@ -138,15 +122,8 @@ def build_config(module: nn.Module, options: dict[str, Any], is_wrapper: Callabl
         "compute_device": compute_device, "move_params_to_cpu": offload.params_to_cpu,
         "backward_prefetch": (prefetch_pre, prefetch_post),
     })  # fmt: skip
-    groups = resolve_groups(strategy, process_group)
-    rs_group = groups.shard
-    if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
-        rs_group = reduce_scatter_group(
-            groups.shard, options["process_group_reduce_scatter"], groups.shard_size
-        )
-    dp_size = group_size(groups.dp)
-    factor = options["gradient_predivide_factor"]
-    pre = float(factor) if factor else default_gradient_predivide_factor(dp_size)
+    groups = resolve_groups(strategy, options["process_group"])
+    rs_group, dp_size, pre = _reduction(groups, strategy, options)
     target = materialize_device(compute_device, offload.params_to_cpu, groups.dp)
     collected, _, inner = collect_owned(module, is_wrapper, ignored)
     if options["auto_wrap_policy"] is not None:
@@ -254,3 +231,41 @@ def prepare_module(
         param_order=param_order,
         device=device,
     )
+
+
+def _check_can_wrap(module: nn.Module, options: dict[str, Any]) -> None:
+    """What must hold before anything else is looked at: a module, torch.distributed, a real group
+    for ``sync_module_states``."""
+    process_group, sync_module_states = options["process_group"], options["sync_module_states"]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if not (dist.is_available() and (dist.is_initialized() or is_stand_in(process_group))):
+        raise RuntimeError(
+            "FullyShardedDataParallel needs torch.distributed: call "
+            "torch.distributed.init_process_group() (e.g. backend='gloo' on CPU, 'nccl' on CUDA) first"
+        )
+    if not isinstance(sync_module_states, bool):
+        raise TypeError(
+            f"FullyShardedDataParallel: sync_module_states must be a bool, got {sync_module_states!r}"
+        )
+    if sync_module_states and is_stand_in(process_group) and group_size(process_group) > 1:
+        raise ValueError(
+            "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
+            "stand-in with rank() and size() cannot communicate; pass the real group"
+        )
+
+
+def _reduction(
+    groups: ProcessGroups, strategy: ShardingStrategy, options: dict[str, Any]
+) -> tuple[dist.ProcessGroup, int, float]:
+    """The gradient reduction's group (a second group of the same ranks, made here: see
+    ``ProcessGroupName.reduce_scatter``), the data-parallel world size, and the factor gradients are
+    divided by before the reduction (fairscale's default when none is given)."""
+    rs_group = groups.shard
+    if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
+        rs_group = reduce_scatter_group(
+            groups.shard, options["process_group_reduce_scatter"], groups.shard_size
+        )
+    dp_size = group_size(groups.dp)
+    factor = options["gradient_predivide_factor"]
+    return rs_group, dp_size, float(factor) if factor else default_gradient_predivide_factor(dp_size)

@@ -155,8 +155,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _Uncounted(MemoryStats):
-    """What a handle counts in while no root holds it (before the first forward, or after its root's
-    context was released): nothing. Each root's context owns the one count of its tree."""
+    """The count of a handle no root holds (before the first forward, or after its root's context
+    was released): nothing is counted. Each root's context owns the one count of its tree."""
 
     __slots__ = ()
 
@@ -335,16 +335,13 @@ class FlatParamHandle:
     def join_root(
         self, stats: CommStats, memory: MemoryStats, rs_bucketer: ReduceScatterBucketer | None
     ) -> None:
-        """Count collectives in ``stats`` and unshard buffers in ``memory``, and send small gradients
-        through ``rs_bucketer``: objects the root's context owns and hands to every handle of its tree
-        at its lazy init. The bytes this handle holds now (kept from a summon, or from an earlier root)
-        join ``memory``."""
+        """Count in the root's ``stats`` and ``memory`` and send small gradients through its
+        ``rs_bucketer`` (its context hands them over at its lazy init); the bytes held now join ``memory``."""
         self.stats, self.memory, self.rs_bucketer = stats, memory, rs_bucketer
         memory.add(self.unshard_bytes())
 
     def leave_root(self) -> None:
-        """Drop the root's objects (no root yet, or its context was released): nothing is counted and
-        every gradient is reduced on its own until the next root's lazy init."""
+        """Drop the root's objects (no root yet, or its context was released) until the next lazy init."""
         self.stats, self.memory, self.rs_bucketer = None, UNCOUNTED, None
 
     # ------------------------------------------------------------------ properties
