@@ -66,6 +66,7 @@ from fsdp.api import (
     default_gradient_predivide_factor,
 )
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
+from fsdp.clip_grad import clip_grad_norm_
 from fsdp.collectives import CommStats, broadcast_from_first_rank
 from fsdp.consistency import (
     WRAPPED,
@@ -88,16 +89,10 @@ from fsdp.flat_param import (
     unsynced,
 )
 from fsdp.grad_hooks import GraphToken, OutputHook
-from fsdp.handle import (
-    FlatParamHandle,
-    MemoryStats,
-    clip_grad_norm_,
-    finish_no_shard_buckets,
-    free_unused_prefetches,
-    make_no_shard_bucketer,
-)
+from fsdp.handle import FlatParamHandle, MemoryStats, free_unused_prefetches
 from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
+from fsdp.no_shard_buckets import finish_no_shard_buckets, make_no_shard_bucketer
 from fsdp.schedule import Scheduler
 from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
 from fsdp.topology import (

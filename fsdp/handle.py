@@ -73,7 +73,6 @@ stays allocated inside the context (with ``keep_full_params``, every unit's full
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,7 +82,7 @@ from torch import nn
 
 from fsdp._device import DeviceHandle, SideCopies
 from fsdp.api import CommConfig, MemoryState
-from fsdp.buckets import BucketConfig, GradBucketer, ReduceScatterBucketer
+from fsdp.buckets import ReduceScatterBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
     FlatParamMeta,
@@ -97,14 +96,7 @@ from fsdp.flat_param import (
 from fsdp.grad_hooks import AccumulatorHooks
 from fsdp.sharding import ShardSpec, shard_spec
 
-__all__ = [
-    "FlatParamHandle",
-    "MemoryStats",
-    "clip_grad_norm_",
-    "finish_no_shard_buckets",
-    "free_unused_prefetches",
-    "make_no_shard_bucketer",
-]
+__all__ = ["FlatParamHandle", "MemoryStats", "free_unused_prefetches"]
 
 
 def _free_storage(t: torch.Tensor) -> int:
@@ -794,127 +786,8 @@ class FlatParamHandle:
         self.flat_param.grad = grad
 
 
-def clip_grad_norm_(
-    handles: Sequence[FlatParamHandle],
-    max_norm: float,
-    norm_type: float,
-    device: torch.device,
-    stats: CommStats,
-    plain: Sequence[torch.Tensor] = (),
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Clip the shard gradients of ``handles`` and the gradients of the ``plain`` parameters
-    (ignored ones: the same on every rank, not sharded) by their global ``norm_type``-norm; return
-    the norm.
-
-    ``group`` is the data-parallel group of the root (every rank that trains the model). Each rank
-    adds ``|g|^p`` (max for the inf-norm) of the shards it holds, padding contributing zeros, and
-    one all-reduce over ``group`` sums them. A shard that several ranks hold (the replicas of
-    ``NO_SHARD`` and ``HYBRID_SHARD``) is counted by the first rank of its replicate group only, and
-    a unit sharded over a smaller group than ``group`` (an expert on a per-rank group: each rank holds
-    other parameters) is counted on each rank that holds a part of it, so every parameter of the
-    model counts once. ``plain`` gradients are added locally after the reduction. Collective over
-    ``group``. Example, world size 2, a shared unit sharded over both ranks (shard norms² 3 and 4)
-    and an expert per rank on a one-rank group (norms² 5 and 6)::
-
-        rank 0: 3 + 5, rank 1: 4 + 6 -> all-reduce: 18 on both -> norm sqrt(18) on both
-    """
-    p = norm_type
-    if not (p > 0):  # also NaN; -inf and p <= 0 are no norms of the concatenated gradients
-        raise ValueError(
-            f"clip_grad_norm_: norm_type must be > 0 (or math.inf), got {norm_type}; use 2.0 for the usual norm"
-        )
-    first_replica: dict[int, bool] = {}  # id(replicate group) -> this rank is its first
-    total = torch.zeros((), device=device)
-    for h in handles:
-        replicas = h.comm.replicate_group
-        if replicas is not None:
-            if id(replicas) not in first_replica:
-                first_replica[id(replicas)] = dist.get_rank(replicas) == 0
-            if not first_replica[id(replicas)]:
-                continue  # another rank counts this shard
-        grad = h.flat_param.grad
-        if grad is None or grad.numel() == 0:
-            continue
-        if p == math.inf:
-            total = torch.maximum(total, grad.detach().abs().max().float().to(device))
-        else:
-            total = total + (torch.linalg.vector_norm(grad.detach().float(), p) ** p).to(device)
-    if group is not None:
-        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-        all_reduce(total, group, op=op, stats=stats).wait()
-    for param in plain:
-        if param.grad is not None and param.grad.numel() > 0:
-            g = param.grad.detach()
-            value = (g.abs().max() if p == math.inf else torch.linalg.vector_norm(g.float(), p) ** p).float()
-            total = torch.maximum(total, value.to(device)) if p == math.inf else total + value.to(device)
-    norm = total if p == math.inf else total ** (1.0 / p)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [h.flat_param.grad for h in handles] + [param.grad for param in plain]
-    for grad in grads:
-        if grad is not None:
-            grad.detach().mul_(coef.to(grad.device, grad.dtype))
-    return norm
-
-
-def make_no_shard_bucketer(
-    items: Sequence[tuple[str, FlatParamHandle]], bucket_cap_mb: float, device: DeviceHandle, stats: CommStats
-) -> tuple[GradBucketer | None, dict[int, int]]:
-    """A bucket engine over the trainable NO_SHARD handles of ``items`` ((name, handle) pairs).
-
-    Buckets of about ``bucket_cap_mb`` are learned in the first backward (rank 0's layout wins);
-    each is all-reduced as soon as its last flat parameter's gradient is ready. Returns the engine
-    and ``id(handle) -> index``; ``(None, {})`` when there is nothing to bucket or the handles do not
-    share one replicate group and divide factor (each is then all-reduced on its own).
-    """
-    chosen = [
-        (name, h)
-        for name, h in items
-        # an offloaded CUDA handle keeps its gradient on the device until reduced (the engine's
-        # buckets live where the flat parameters are between steps: the host, which NCCL cannot send)
-        if h.requires_grad
-        and h.spec.world_size == 1
-        and h.comm.replicate_group is not None
-        and h.copies is None
-    ]
-    if not chosen:
-        return None, {}
-    group = chosen[0][1].comm.replicate_group
-    factors = (chosen[0][1].comm.gradient_predivide_factor, chosen[0][1].comm.gradient_postdivide_factor)
-    if any(
-        h.comm.replicate_group is not group
-        or (h.comm.gradient_predivide_factor, h.comm.gradient_postdivide_factor) != factors
-        for _, h in chosen
-    ):
-        return None, {}
-    assert group is not None
-    config = BucketConfig(
-        message_size=max(1, int(bucket_cap_mb * 2**20 / 4)),
-        gradient_predivide_factor=factors[0],
-        gradient_postdivide_factor=factors[1],
-    )
-    bucketer = GradBucketer(
-        [h.flat_param for _, h in chosen], [name for name, _ in chosen], group, config, device, stats=stats
-    )
-    return bucketer, {id(h): i for i, (_, h) in enumerate(chosen)}
-
-
 def free_unused_prefetches(handles: Sequence[FlatParamHandle]) -> None:
     """Free the full parameters of units prefetched but not run (a forward that skipped them)."""
     for h in handles:
         if h.prefetched:
             h.reshard(free_full=True)
-
-
-def finish_no_shard_buckets(bucketer: GradBucketer, index: dict[int, int], units: Sequence[Any]) -> None:
-    """Hand the bucket engine the flat parameters that got no gradient this backward (zeros stand in,
-    so every rank launches every bucket), then wait for every bucket. Runs before the end-of-backward
-    consistency check, which then reports a rank that skipped parameters the others reduced: the
-    buckets and the check share the data-parallel group, so the check's all-reduce must not meet a
-    bucket another rank sent."""
-    for unit in units:
-        for h in unit.handles:
-            i = index.get(id(h))
-            if i is not None and not h.reduced_this_backward:
-                bucketer.grad_ready(i)  # contributes zeros; a None gradient stays None
-    bucketer.finish_backward()
