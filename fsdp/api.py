@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ class TrainingState(enum.Enum):
 
     IDLE -> FORWARD -> IDLE (between forward and backward) -> BACKWARD_PRE -> BACKWARD_POST -> IDLE
     (reset by the root's end-of-backward callback). SUMMON_FULL_PARAMS holds while the user sees
-    full parameters.
+    full parameters. Every change is checked against :data:`TRAINING_TRANSITIONS`.
     """
 
     IDLE = enum.auto()
@@ -91,6 +92,33 @@ class TrainingState(enum.Enum):
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
+
+
+_S = TrainingState
+# The legal changes of a wrapper's training state: old -> the states it may go to. A wrapper whose
+# frozen parameters get no post-backward goes from BACKWARD_PRE straight back to IDLE; every handle's
+# post-backward sets BACKWARD_POST again.
+TRAINING_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
+    _S.IDLE: frozenset({_S.FORWARD, _S.BACKWARD_PRE, _S.SUMMON_FULL_PARAMS}),
+    _S.FORWARD: frozenset({_S.IDLE}),
+    _S.BACKWARD_PRE: frozenset({_S.BACKWARD_POST, _S.IDLE}),
+    _S.BACKWARD_POST: frozenset({_S.BACKWARD_POST, _S.IDLE}),
+    _S.SUMMON_FULL_PARAMS: frozenset({_S.IDLE}),
+}
+del _S
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def check_transition(what: str, old: _E, new: _E, legal: Mapping[_E, frozenset[_E]]) -> None:
+    """Raise ``RuntimeError`` unless ``old -> new`` is one of the ``legal`` transitions of the state
+    machine ``what`` (e.g. "training state"). Every state machine of the package changes through it."""
+    if new not in legal[old]:
+        allowed = ", ".join(sorted(s.name for s in legal[old])) or "none"
+        raise RuntimeError(
+            f"FullyShardedDataParallel: illegal {what} transition {old.name} -> {new.name} (from {old.name} "
+            f"only to {allowed}); a forward, backward or summon_full_params() did not finish, or ran inside another"
+        )
 
 
 class MemoryState(enum.Enum):
