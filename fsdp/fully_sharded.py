@@ -878,7 +878,7 @@ class FullyShardedDataParallel(
             ctx.in_flight.clear()
             for w in ctx.wrappers:
                 for h in w.handles:
-                    h.reduced_this_backward = False
+                    h.end_backward()
                     h.accumulators.end_backward()
                 w._pre_backward_done = False
                 if w.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):

@@ -35,6 +35,32 @@ full-shaped gradient into ``flat_param.grad``, which requires it to be None or f
 ``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
 accumulation across backward passes (without zero_grad) sums as in a plain model.
 
+[Note: gradient state]
+A handle's gradient is in one :class:`GradState` (``grad_state``), changed only by
+``_set_grad_state``, which checks the change against ``GRAD_TRANSITIONS``:
+
+    state     the gradient of this backward is                        next
+    IDLE      nowhere yet (.grad: the shard gradient, or None)        UNSYNCED, REDUCING, BUCKETED
+    UNSYNCED  summed in _grad_acc inside no_sync (in .grad itself     UNSYNCED, REDUCING, BUCKETED,
+              when aliased), not reduced                              IDLE (zero_grad() drops it)
+    REDUCING  in the reduction _pending: sent, or queued in a bucket  COPYING, REDUCED, IDLE*
+    BUCKETED  on .grad (full) for the root's NO_SHARD bucket engine   REDUCED, IDLE*
+    COPYING   reduced, on its way to the host (_grad_copy)            REDUCED, IDLE*
+    REDUCED   reduced, added into .grad (the shard gradient)          IDLE
+
+The post-backward (``reduce_grad``) leaves IDLE or UNSYNCED: for UNSYNCED inside ``no_sync``, else
+for REDUCING, or BUCKETED where the bucket engine reduces. ``finalize_gradient`` (from a later
+post-backward, the hook before a gradient concatenation, or the end of backward) goes on to REDUCED,
+through COPYING when the shard is offloaded on CUDA: a call during backward leaves the copy in
+flight, the end of backward collects it. The end of backward (``end_backward``) returns REDUCED to
+IDLE; UNSYNCED stays until a backward outside ``no_sync`` reduces the sum. IDLE*: a backward that
+raised before its end (ranks that disagree on what they reduced) drops what it left in flight. A
+handle counts as reduced in this backward (``reduced_this_backward``, which the end-of-backward
+check compares across ranks, and a second gradient part is refused by) in REDUCING, BUCKETED,
+COPYING and REDUCED. The stash of [Note: gradient stash] is apart from the state: the pre-backward
+makes it, and it is added to the reduced shard on the way to REDUCED, or put back on ``.grad`` at
+the end of a backward that brought no reduction (IDLE, UNSYNCED).
+
 [Note: finishing reductions early]
 A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
 for. The post-backward hook waits for the older ones once a newer one is sent, so one stays in
@@ -73,6 +99,7 @@ stays allocated inside the context (with ``keep_full_params``, every unit's full
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,7 +108,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp.api import CommConfig, MemoryState
+from fsdp.api import CommConfig, MemoryState, check_transition
 from fsdp.buckets import ReduceScatterBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
@@ -96,7 +123,7 @@ from fsdp.flat_param import (
 from fsdp.grad_hooks import AccumulatorHooks
 from fsdp.sharding import ShardSpec, shard_spec
 
-__all__ = ["FlatParamHandle", "MemoryStats", "free_unused_prefetches"]
+__all__ = ["GRAD_TRANSITIONS", "FlatParamHandle", "GradState", "MemoryStats", "free_unused_prefetches"]
 
 
 def _free_storage(t: torch.Tensor) -> int:
@@ -136,6 +163,30 @@ class MemoryStats:
         self.peak = self.current
 
 
+class GradState(enum.Enum):
+    """Where a handle's gradient is in the current backward. See [Note: gradient state]."""
+
+    IDLE = enum.auto()
+    UNSYNCED = enum.auto()
+    REDUCING = enum.auto()
+    BUCKETED = enum.auto()
+    COPYING = enum.auto()
+    REDUCED = enum.auto()
+
+
+_G = GradState
+GRAD_TRANSITIONS: dict[GradState, frozenset[GradState]] = {
+    _G.IDLE: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED}),
+    _G.UNSYNCED: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED, _G.IDLE}),
+    _G.REDUCING: frozenset({_G.COPYING, _G.REDUCED, _G.IDLE}),
+    _G.BUCKETED: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.COPYING: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.REDUCED: frozenset({_G.IDLE}),
+}
+_REDUCED_THIS_BACKWARD = frozenset({_G.REDUCING, _G.BUCKETED, _G.COPYING, _G.REDUCED})
+del _G
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
@@ -162,24 +213,22 @@ class FlatParamHandle:
     _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype device copy of the shard to all-gather; freed
     offloaded: bool  # the master shard (and its gradient) lives on the CPU, compute on another device
     copies: SideCopies | None  # CUDA with offload: the side stream of host<->device copies
-    _grad_copy: tuple[torch.Tensor, Any] | None  # (host gradient, event) of a copy still in flight
+    _grad_copy: tuple[torch.Tensor, Any] | None  # COPYING: (host gradient, event) of the copy in flight
     _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
     _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
     _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
     _full_valid: bool  # _full holds the gathered values of the current _shard
     _full_version: int  # flat_param._version when _full was last known valid
+    grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
-    _pending: Pending | None  # in-flight reduction of this backward
+    _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
     _gathering: tuple[torch.Tensor, Pending] | None  # (target buffer, in-flight all-gather) after prefetch()
     rs_bucketer: ReduceScatterBucketer | None  # the root's reduce-scatter buckets (None: one collective each)
-    _all_reduce_after: bool  # HYBRID_SHARD: all-reduce the reduced shard across replicas when it is ready
-    _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
-    _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
+    _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     _placeholders_set: bool  # the modules' attributes are the stand-ins now
     # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
     _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
-    reduced_this_backward: bool
     accumulators: AccumulatorHooks  # the post-backward's hooks: see [Note: gradient accumulators]
 
     def __init__(
@@ -231,7 +280,7 @@ class FlatParamHandle:
         self.state = MemoryState.SHARDED
         self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
         self._grad_acc = self._full_grad = None
-        self._all_reduce_after = self._bucketed = self.reduced_this_backward = False
+        self.grad_state = GradState.IDLE
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = [
             make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
@@ -282,9 +331,12 @@ class FlatParamHandle:
         self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
         self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
         grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
+        unsynced = self.grad_state is GradState.UNSYNCED
         self._start_sharded()
         if grad_acc is not None:
             self._grad_acc = grad_acc.to(device=device, dtype=data.dtype)
+        if unsynced:
+            self._set_grad_state(GradState.UNSYNCED)
 
     # ------------------------------------------------------------------ copies
     # What a copy or a pickle of the handle keeps: its layout, its flat parameter (the shard, its data)
@@ -673,6 +725,7 @@ class FlatParamHandle:
                 self.flat_param.grad = None
                 acc = grad.to(self.meta.dtype)
                 self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
+            self._set_grad_state(GradState.UNSYNCED)
             self.reshard(free_full=not keep_full)
             return
         self.flat_param.grad = None
@@ -686,9 +739,7 @@ class FlatParamHandle:
             full = grad.to(device=self._shard.device, dtype=self.meta.dtype)
             self.reshard(free_full=True)
             self.flat_param.grad = full  # NO_SHARD: the full gradient is shard-shaped
-            self._pending = None
-            self._bucketed = True
-            self.reduced_this_backward = True
+            self._set_grad_state(GradState.BUCKETED)
             return
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
@@ -696,31 +747,57 @@ class FlatParamHandle:
         if self.comm.gradient_predivide_factor != 1:
             grad.div_(self.comm.gradient_predivide_factor)
         replicate = self.comm.replicate_group
-        if self.spec.world_size > 1:
+        if self.spec.world_size > 1:  # (HYBRID_SHARD: then across replicas, when it is finished)
             group = self.comm.process_group_reduce_scatter
             # the reduced chunk is allocated when needed: on the CPU only once the sum is done
             if self.rs_bucketer is not None:  # small gradients share one collective
                 self._pending = self.rs_bucketer.reduce_scatter(None, grad, group)
             else:
                 self._pending = reduce_scatter(None, grad, group, self.stats)
-            self._all_reduce_after = replicate is not None  # HYBRID: then across replicas, at the end
         elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
             self._pending = all_reduce(grad, replicate, stats=self.stats)
-            self._all_reduce_after = False
         else:
             self._pending = Pending(None, grad)
-            self._all_reduce_after = False
-        self.reduced_this_backward = True
+        self._set_grad_state(GradState.REDUCING)
         self.reshard(free_full=True)
 
     def discard_accumulated_grad(self) -> None:
         """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
         self._grad_acc = None
+        if self.grad_state is GradState.UNSYNCED:
+            self._set_grad_state(GradState.IDLE)
+
+    def end_backward(self) -> None:
+        """End of backward: a reduced gradient is just the shard gradient now; what a backward that
+        raised before its end left in flight is dropped. See [Note: gradient state]."""
+        if self.grad_state in _REDUCED_THIS_BACKWARD:
+            self._pending = self._grad_copy = None  # (set only after such a backward)
+            self._set_grad_state(GradState.IDLE)
+
+    def _set_grad_state(self, state: GradState) -> None:
+        """The one way the gradient state changes; checks the change and what each state holds."""
+        check_transition("gradient state", self.grad_state, state, GRAD_TRANSITIONS)
+        assert (self._pending is not None) == (state is GradState.REDUCING), "a reduction outside REDUCING"
+        assert (self._grad_copy is not None) == (state is GradState.COPYING), "a host copy outside COPYING"
+        assert self._grad_acc is None or state is GradState.UNSYNCED, (
+            "an accumulated gradient outside UNSYNCED"
+        )
+        self.grad_state = state
+
+    @property
+    def reduced_this_backward(self) -> bool:
+        """This backward's gradient went to a reduction (sent, queued, bucketed, or finished)."""
+        return self.grad_state in _REDUCED_THIS_BACKWARD
+
+    @property
+    def _hybrid(self) -> bool:
+        """The reduced shard is all-reduced across replicas once its reduce-scatter is finished."""
+        return self.spec.world_size > 1 and self.comm.replicate_group is not None
 
     @property
     def reduction_pending(self) -> bool:
         """A reduction of this backward waits to be finished (sent or queued in a bucket)."""
-        return self._pending is not None
+        return self.grad_state is GradState.REDUCING
 
     @property
     def reduction_launched(self) -> bool:
@@ -730,43 +807,48 @@ class FlatParamHandle:
     @property
     def reduction_finishable(self) -> bool:
         """This backward's reduction is sent, and ``finalize_gradient`` would issue no collective."""
-        return self._pending is not None and self._pending.launched and not self._all_reduce_after
+        return self._pending is not None and self._pending.launched and not self._hybrid
 
     def finalize_gradient(self, asynchronous: bool = False) -> None:
-        """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient.
+        """Finish this backward's reduction and set ``flat_param.grad`` to the (accumulated) shard
+        gradient: REDUCING and BUCKETED go on to REDUCED. See [Note: gradient state].
 
-        With an offloaded shard on CUDA the gradient is copied to the host on the side stream; with
-        ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which the
-        end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
+        With an offloaded shard on CUDA the gradient is copied to the host on the side stream
+        (COPYING); with ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which
+        the end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
         """
-        if self._grad_copy is not None:  # a copy queued by an earlier call lands first
-            if asynchronous and self._pending is None and not self._bucketed:
-                return  # nothing new to queue: the blocking call collects it (no host wait here)
-            host, event = self._grad_copy
-            self._grad_copy = None
-            assert self.copies is not None
-            self.copies.device.synchronize_event(event)
-            self._set_grad(host)
-        if self._bucketed:  # reduced (and averaged) in place by the bucket engine
-            self._bucketed = False
+        if self.grad_state is GradState.REDUCING:
+            self._finish_reduction()
+        elif self.grad_state is GradState.BUCKETED:  # reduced (and averaged) in place by the bucket engine
             if self._saved_grad_shard is not None:
                 grad = self.flat_param.grad
                 self.flat_param.grad = (
                     self._saved_grad_shard if grad is None else self._saved_grad_shard.add_(grad)
                 )
                 self._saved_grad_shard = None
-            return
-        if self._pending is None:
-            # no new gradient this backward: restore the old one, once flat_param is the shard again
-            if self._saved_grad_shard is not None and self.state is MemoryState.SHARDED:
-                self.flat_param.grad = self._saved_grad_shard
-                self._saved_grad_shard = None
-            if self.copies is not None and not asynchronous:
-                self.copies.synchronize()  # nothing queued may still read or write host memory
-            return
+            self._set_grad_state(GradState.REDUCED)
+        if self.grad_state is GradState.COPYING:
+            if asynchronous:
+                return  # the blocking call collects it (no host wait during backward)
+            assert self._grad_copy is not None and self.copies is not None
+            host, event = self._grad_copy
+            self._grad_copy = None
+            self.copies.device.synchronize_event(event)
+            self._set_grad(host)
+            self._set_grad_state(GradState.REDUCED)
+        # no new gradient this backward: restore the old one, once flat_param is the shard again
+        if self._saved_grad_shard is not None and self.state is MemoryState.SHARDED:
+            self.flat_param.grad = self._saved_grad_shard
+            self._saved_grad_shard = None
+        if self.copies is not None and not asynchronous:
+            self.copies.synchronize()  # nothing queued may still read or write host memory
+
+    def _finish_reduction(self) -> None:
+        """REDUCING -> COPYING (offloaded on CUDA) or REDUCED: wait for the reduction, finish it."""
+        assert self._pending is not None
         out = self._pending.wait()
         self._pending = None
-        if self._all_reduce_after:
+        if self._hybrid:
             assert self.comm.replicate_group is not None
             all_reduce(out, self.comm.replicate_group, stats=self.stats).wait()
         if self.comm.gradient_postdivide_factor != 1:
@@ -774,10 +856,10 @@ class FlatParamHandle:
         # gradients always land on the master shard: its dtype, and its device (CPU when offloaded)
         if self.copies is not None:
             self._grad_copy = self.copies.to_host(out, self.meta.dtype)
-            if not asynchronous:
-                self.finalize_gradient()
-            return
-        self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+            self._set_grad_state(GradState.COPYING)
+        else:
+            self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+            self._set_grad_state(GradState.REDUCED)
 
     def _set_grad(self, grad: torch.Tensor) -> None:
         if self._saved_grad_shard is not None:

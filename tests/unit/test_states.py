@@ -1,4 +1,4 @@
-"""The state machines: a wrapper's training state.
+"""The state machines: a wrapper's training state, a handle's gradient state.
 
 Each changes through one function that checks the change against its transition table; these tests
 walk the tables (every illegal change raises) and check that a real step follows them.
@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp import FSDP, TrainingState
 from fsdp.api import TRAINING_TRANSITIONS, check_transition
+from fsdp.handle import GRAD_TRANSITIONS, FlatParamHandle, GradState
 
 S = TrainingState
 
@@ -82,3 +83,56 @@ def test_the_temporary_state_restores_the_previous_one(single_rank_group: None) 
     with pytest.raises(ValueError, match="inside"), model._state(S.SUMMON_FULL_PARAMS):
         raise ValueError("inside")
     assert model.training_state is S.IDLE
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    real = FlatParamHandle._set_grad_state
+
+    def record(self: FlatParamHandle, state: GradState) -> None:
+        seen.append((self.grad_state.name, state.name))
+        real(self, state)
+
+    monkeypatch.setattr(FlatParamHandle, "_set_grad_state", record)
+    return seen
+
+
+def test_grad_table_covers_every_state_and_refuses_the_rest(single_rank_group: None) -> None:
+    assert set(GRAD_TRANSITIONS) == set(GradState)
+    h = FSDP(nn.Linear(2, 2), mixed_precision=True).handles[0]
+    assert h.grad_state is GradState.IDLE
+    for new in set(GradState) - GRAD_TRANSITIONS[GradState.IDLE]:
+        with pytest.raises(RuntimeError, match=f"illegal gradient state transition IDLE -> {new.name}"):
+            h._set_grad_state(new)
+        assert h.grad_state is GradState.IDLE
+
+
+def test_a_step_and_no_sync_follow_the_grad_table(
+    single_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mixed precision: the full parameter is a copy even at world size 1, so gradients are reduced
+    model = FSDP(nn.Linear(4, 4), mixed_precision=True)
+    (h,) = model.handles
+    seen = _recording(monkeypatch)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    assert seen == [("IDLE", "REDUCING"), ("REDUCING", "REDUCED"), ("REDUCED", "IDLE")]
+    assert h.flat_param.grad is not None and not h.reduced_this_backward
+    seen.clear()
+    with model.no_sync():
+        model(x).sum().backward()
+        model(x).sum().backward()
+        assert h.grad_state is GradState.UNSYNCED and h._grad_acc is not None
+    model(x).sum().backward()  # the sum of three is reduced once
+    assert seen == [
+        ("IDLE", "UNSYNCED"),
+        ("UNSYNCED", "UNSYNCED"),
+        ("UNSYNCED", "REDUCING"),
+        ("REDUCING", "REDUCED"),
+        ("REDUCED", "IDLE"),
+    ]
+    seen.clear()
+    with model.no_sync():
+        model(x).sum().backward()
+    model.zero_grad()  # drops what no_sync accumulated
+    assert seen == [("IDLE", "UNSYNCED"), ("UNSYNCED", "IDLE")] and h._grad_acc is None
