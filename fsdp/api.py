@@ -122,10 +122,27 @@ def check_transition(what: str, old: _E, new: _E, legal: Mapping[_E, frozenset[_
 
 
 class MemoryState(enum.Enum):
-    """Which tensor a flat parameter's ``.data`` is. See [Note: flat parameter data]."""
+    """Which tensor a flat parameter's ``.data`` is, and whether its full parameter stays in memory.
+    See [Note: flat parameter data].
+
+    SHARDED: ``.data`` is the shard; the full buffers are freed. FULL_KEPT: ``.data`` is the shard,
+    and the full parameter gathered for it is kept from the last forward or backward (the root,
+    ``reshard_after_forward=False``, ``no_sync``), so the next unshard gathers nothing while the
+    shard is unchanged. UNSHARDED: ``.data`` is a full buffer. Changes follow :data:`MEMORY_TRANSITIONS`.
+    """
 
     SHARDED = enum.auto()
+    FULL_KEPT = enum.auto()
     UNSHARDED = enum.auto()
+
+
+_M = MemoryState
+MEMORY_TRANSITIONS: dict[MemoryState, frozenset[MemoryState]] = {
+    _M.SHARDED: frozenset({_M.UNSHARDED}),
+    _M.FULL_KEPT: frozenset({_M.UNSHARDED, _M.SHARDED}),
+    _M.UNSHARDED: frozenset({_M.SHARDED, _M.FULL_KEPT}),
+}
+del _M
 
 
 class ProcessGroupName(str, enum.Enum):

@@ -8,9 +8,12 @@ the optimizer holds):
 - ``_full``: the padded full flat tensor, shape ``(padded_numel,)``. Its storage is freed
   (``untyped_storage().resize_(0)``) while the handle is SHARDED and re-allocated in place before
   every all-gather. See [Note: storage resize].
-- ``flat_param.data`` is ``_shard`` while SHARDED and ``_active`` (normally ``_full``) while
-  UNSHARDED. Between training steps every handle is SHARDED, so the optimizer sees and updates only
-  the local shard.
+- ``flat_param.data`` is ``_shard`` while SHARDED or FULL_KEPT and ``_active`` (normally ``_full``)
+  while UNSHARDED. FULL_KEPT is SHARDED with ``_full`` still holding the full parameter gathered for
+  the shard (kept by ``reshard(free_full=False)``), valid while ``flat_param._version`` is the
+  ``_full_version`` recorded then: an in-place update of the shard (an optimizer step) makes the
+  next unshard gather again. Between training steps every handle is SHARDED or FULL_KEPT, so the
+  optimizer sees and updates only the local shard.
 
 Under mixed precision ``_full`` is in the compute dtype (fp16/bf16) and is gathered from
 ``_lp_shard``, a compute-dtype copy of the shard made just before the all-gather, so the wire
@@ -55,9 +58,9 @@ through COPYING when the shard is offloaded on CUDA: a call during backward leav
 flight, the end of backward collects it. The end of backward (``end_backward``) returns REDUCED to
 IDLE; UNSYNCED stays until a backward outside ``no_sync`` reduces the sum. IDLE*: a backward that
 raised before its end (ranks that disagree on what they reduced) drops what it left in flight. A
-handle counts as reduced in this backward (``reduced_this_backward``, which the end-of-backward
-check compares across ranks, and a second gradient part is refused by) in REDUCING, BUCKETED,
-COPYING and REDUCED. The stash of [Note: gradient stash] is apart from the state: the pre-backward
+handle counts as reduced in this backward (``reduced_this_backward``: the end-of-backward check
+compares it across ranks, and the post-backward refuses a part of the gradient that comes after
+it) in REDUCING, BUCKETED, COPYING and REDUCED. The stash of [Note: gradient stash] is apart from the state: the pre-backward
 makes it, and it is added to the reduced shard on the way to REDUCED, or put back on ``.grad`` at
 the end of a backward that brought no reduction (IDLE, UNSYNCED).
 
@@ -108,7 +111,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp.api import CommConfig, MemoryState, check_transition
+from fsdp.api import MEMORY_TRANSITIONS, CommConfig, MemoryState, check_transition
 from fsdp.buckets import ReduceScatterBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
@@ -206,7 +209,7 @@ class FlatParamHandle:
     shared_modules: list[nn.Module]  # owning module of each meta.shared[i]
     flat_param: nn.Parameter  # .data: _shard (SHARDED) or _active (UNSHARDED)
     memory: MemoryStats  # unshard buffers of the tree (the root's, from its lazy init)
-    state: MemoryState
+    state: MemoryState  # changed only by _set_memory_state (MEMORY_TRANSITIONS)
     compute_dtype: torch.dtype  # dtype of the all-gather and of compute
     reduce_dtype: torch.dtype | None  # dtype of the gradient reduce-scatter (None: the gradient's)
     _shard: torch.Tensor  # (chunk,) local master shard, meta.dtype (fp32 under mixed precision)
@@ -217,8 +220,7 @@ class FlatParamHandle:
     _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
     _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
     _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
-    _full_valid: bool  # _full holds the gathered values of the current _shard
-    _full_version: int  # flat_param._version when _full was last known valid
+    _full_version: int  # FULL_KEPT: flat_param._version when _full was kept (valid while unchanged)
     grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
@@ -312,7 +314,6 @@ class FlatParamHandle:
             self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
             _free_storage(self._lp_shard)
         self._active = self._full
-        self._full_valid = self.aliased
         self._full_version = -1
 
     def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
@@ -320,7 +321,9 @@ class FlatParamHandle:
         new tensor is the shard, the master dtype is its dtype, the compute dtype ``param_dtype`` (its
         own without mixed precision) and the compute ``device``; every buffer derived from the shard
         is made again (freed), and the stand-ins of the original parameters take the new dtype."""
-        assert self.state is MemoryState.SHARDED and self._gathering is None, "converted while unsharded"
+        assert self.state is not MemoryState.UNSHARDED and self._gathering is None, (
+            "converted while unsharded"
+        )
         self._free_full()  # (a compute buffer kept from a forward holds the old values)
         data = self.flat_param.data
         self.compute_device = device
@@ -349,7 +352,7 @@ class FlatParamHandle:
     )  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
-        assert self.state is MemoryState.SHARDED and self._gathering is None, "copied while unsharded"
+        assert self.state is not MemoryState.UNSHARDED and self._gathering is None, "copied while unsharded"
         return {name: getattr(self, name) for name in self._COPIED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -374,7 +377,12 @@ class FlatParamHandle:
         the compute buffer kept since a forward and the shard unchanged since (always when aliased)."""
         if self.state is MemoryState.UNSHARDED:
             return True
-        return self.aliased or (self._full_valid and self._full_version == self.flat_param._version)
+        return self.aliased or self._kept_full_valid
+
+    @property
+    def _kept_full_valid(self) -> bool:
+        """FULL_KEPT, and the shard unchanged since: the kept full parameter is its all-gather."""
+        return self.state is MemoryState.FULL_KEPT and self._full_version == self.flat_param._version
 
     @property
     def gathers(self) -> bool:
@@ -442,11 +450,9 @@ class FlatParamHandle:
         pending.wait()
         if self._lp_shard is not None:
             self.memory.add(-_free_storage(self._lp_shard))
-        if buf is self._full:
-            self._full_valid = True
         self._active = buf
         self.flat_param.data = buf
-        self.state = MemoryState.UNSHARDED
+        self._set_memory_state(MemoryState.UNSHARDED)
 
     def prefetch(self, full_precision: bool = False) -> None:
         """Launch the all-gather of :meth:`unshard` without waiting for it. Collective.
@@ -468,7 +474,7 @@ class FlatParamHandle:
                 pending = all_gather(buf, source, self.comm.process_group, self.stats)
         else:
             buf = self._full
-            if self.aliased or (self._full_valid and self._full_version == self.flat_param._version):
+            if self.aliased or self._kept_full_valid:
                 pending = Pending(None, buf)
             else:
                 self.memory.add(_alloc_storage(buf))
@@ -493,28 +499,40 @@ class FlatParamHandle:
             return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
 
     def reshard(self, free_full: bool = True) -> None:
-        """Point ``flat_param.data`` back at the shard; free the full buffer unless told to keep it."""
+        """Point ``flat_param.data`` back at the shard; free the full buffer, or keep it (FULL_KEPT)
+        with ``free_full=False`` when it holds the compute-dtype gather (a master-dtype one, shown by a
+        summon, is always freed)."""
         if self._gathering is not None:  # prefetched but never used: let the gather land first
             self.unshard()
-        if self.state is MemoryState.SHARDED:
+        if self.state is not MemoryState.UNSHARDED:
             if free_full:
                 self._free_full()
             return
         self.flat_param.data = self._shard
-        self.state = MemoryState.SHARDED
         self.remove_module_tensors()
         if self._full_precision is not None:
             self.memory.add(-_free_storage(self._full_precision))
+        keep = not free_full and self._active is self._full and not self.aliased
         self._active = self._full
-        if free_full:
-            self._free_full()
-        elif self._full_valid:
+        if keep:
             self._full_version = self.flat_param._version
+            self._set_memory_state(MemoryState.FULL_KEPT)
+        else:
+            self._set_memory_state(MemoryState.SHARDED)
+            self._free_full()
 
     def _free_full(self) -> None:
+        """Free the compute-dtype full buffer (nothing when aliased): FULL_KEPT becomes SHARDED."""
         if not self.aliased:
             self.memory.add(-_free_storage(self._full))
-            self._full_valid = False
+        if self.state is MemoryState.FULL_KEPT:
+            self._set_memory_state(MemoryState.SHARDED)
+
+    def _set_memory_state(self, state: MemoryState) -> None:
+        """The one way the memory state changes (after the buffers changed). See [Note: flat parameter data]."""
+        check_transition("memory state", self.state, state, MEMORY_TRANSITIONS)
+        assert state is not MemoryState.FULL_KEPT or not self.aliased, "an aliased full parameter kept"
+        self.state = state
 
     def _adopt_user_data(self) -> None:
         """Follow a user who replaced ``flat_param.data`` between steps (e.g. ``p.data = t``)."""
@@ -534,10 +552,10 @@ class FlatParamHandle:
                 f"{tuple(data.shape)} and dtype {data.dtype}; it must keep its local shard's shape "
                 f"{tuple(self._shard.shape)} and dtype {self._shard.dtype}"
             )
+        self._free_full()  # (a full parameter kept for the old shard)
         if self.aliased:
             self._full = data
         self._shard = data
-        self._full_valid = self.aliased
 
     def write_back_(self) -> None:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
@@ -550,7 +568,7 @@ class FlatParamHandle:
                 if _same_bits(chunk.to(self._shard.device), self._shard):
                     return
                 self._shard.copy_(chunk)
-            self._full_valid = False  # the shard changed under the compute buffer's feet
+            # (the shard changed under the full buffer's feet: the summon that wrote it frees it next)
 
     # ------------------------------------------------------------------ module attributes
     def use_full_views(self, as_parameters: bool, before_concat: Callable[[], None] | None = None) -> None:
@@ -837,7 +855,7 @@ class FlatParamHandle:
             self._set_grad(host)
             self._set_grad_state(GradState.REDUCED)
         # no new gradient this backward: restore the old one, once flat_param is the shard again
-        if self._saved_grad_shard is not None and self.state is MemoryState.SHARDED:
+        if self._saved_grad_shard is not None and self.state is not MemoryState.UNSHARDED:
             self.flat_param.grad = self._saved_grad_shard
             self._saved_grad_shard = None
         if self.copies is not None and not asynchronous:

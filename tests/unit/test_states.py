@@ -1,4 +1,4 @@
-"""The state machines: a wrapper's training state, a handle's gradient state.
+"""The state machines: a wrapper's training state, a handle's gradient and memory states.
 
 Each changes through one function that checks the change against its transition table; these tests
 walk the tables (every illegal change raises) and check that a real step follows them.
@@ -6,6 +6,7 @@ walk the tables (every illegal change raises) and check that a real step follows
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp import FSDP, TrainingState
-from fsdp.api import TRAINING_TRANSITIONS, check_transition
+from fsdp.api import MEMORY_TRANSITIONS, TRAINING_TRANSITIONS, MemoryState, check_transition
 from fsdp.handle import GRAD_TRANSITIONS, FlatParamHandle, GradState
 
 S = TrainingState
@@ -136,3 +137,48 @@ def test_a_step_and_no_sync_follow_the_grad_table(
         model(x).sum().backward()
     model.zero_grad()  # drops what no_sync accumulated
     assert seen == [("IDLE", "UNSYNCED"), ("UNSYNCED", "IDLE")] and h._grad_acc is None
+
+
+def test_memory_table_covers_every_state_and_refuses_the_rest(single_rank_group: None) -> None:
+    assert set(MEMORY_TRANSITIONS) == set(MemoryState)
+    h = FSDP(nn.Linear(2, 2), mixed_precision=True).handles[0]
+    with pytest.raises(RuntimeError, match="illegal memory state transition SHARDED -> FULL_KEPT"):
+        h._set_memory_state(MemoryState.FULL_KEPT)  # keeping a full parameter never gathered
+    assert h.state is MemoryState.SHARDED
+
+
+def test_kept_full_parameters_are_a_memory_state(
+    single_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the root keeps its full parameters from forward to backward (disable_reshard_on_root); mixed
+    # precision makes the full parameter a buffer of its own at world size 1
+    model = FSDP(nn.Linear(4, 4), mixed_precision=True)
+    (h,) = model.handles
+    seen: list[str] = []
+    real = FlatParamHandle._set_memory_state
+
+    def record(self: FlatParamHandle, state: MemoryState) -> None:
+        seen.append(f"{self.state.name}>{state.name}")
+        real(self, state)
+
+    monkeypatch.setattr(FlatParamHandle, "_set_memory_state", record)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen.clear()  # (the state dict was a summon)
+    x = torch.randn(3, 4)
+    loss = model(x).sum()
+    assert (
+        h.state is MemoryState.FULL_KEPT
+        and h.holds_full
+        and h.flat_param.data_ptr() == h.sharded_data().data_ptr()
+    )
+    assert copy.deepcopy(model).handles[0].state is MemoryState.SHARDED  # a copy keeps nothing
+    loss.backward()
+    assert seen == ["SHARDED>UNSHARDED", "UNSHARDED>FULL_KEPT", "FULL_KEPT>UNSHARDED", "UNSHARDED>SHARDED"]
+    assert h._full.untyped_storage().size() == 0, "the end of backward frees it"
+    model(x)
+    with torch.no_grad():
+        h.flat_param.add_(1.0)  # an optimizer step: the kept gather is stale now
+    assert h.state is MemoryState.FULL_KEPT and not h.holds_full
+    out = model(x)  # gathers the updated shard again
+    weight, bias = (before[k].add(1.0).half() for k in ("weight", "bias"))  # (fairscale's fp16)
+    assert torch.equal(out, nn.functional.linear(x.half(), weight, bias))
