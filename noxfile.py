@@ -30,7 +30,7 @@ def _install(session: nox.Session, extras: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole suite, as CI and the README run it."""
-    _install(session, "test")
+    _install(session, "test,hf")
     session.run("pytest", "-q", "tests", *session.posargs)
 
 
@@ -50,7 +50,7 @@ def tests_oldest_torch(session: nox.Session) -> None:
 @nox.parametrize("world_size", ["1", "2", "3", "4"])
 def tests_matrix(session: nox.Session, world_size: str) -> None:
     """The distributed tests at one world size (``pool`` parameters of other sizes deselected)."""
-    _install(session, "test")
+    _install(session, "test,hf")
     session.run(
         "pytest", "-q", "tests/distributed", *session.posargs, env={"FSDP_TEST_WORLD_SIZES": world_size}
     )

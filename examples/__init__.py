@@ -3,4 +3,5 @@
 
     python3 -m examples.train_gpt --help
     torchrun --standalone --nproc_per_node=2 -m examples.train_gpt
+    torchrun --standalone --nproc_per_node=2 -m examples.finetune_hf   # needs the "hf" extra
 """

@@ -32,6 +32,7 @@ from fsdp.wrap import (
     default_auto_wrap_policy,
     enable_wrap,
     lambda_auto_wrap_policy,
+    no_split_modules_auto_wrap_policy,
     transformer_auto_wrap_policy,
     wrap,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "lambda_auto_wrap_policy",
     "latest_checkpoint",
     "load_checkpoint",
+    "no_split_modules_auto_wrap_policy",
     "save_checkpoint",
     "transformer_auto_wrap_policy",
     "wrap",

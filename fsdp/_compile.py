@@ -12,6 +12,8 @@ private torch API (``torch._dynamo.trace_rules.add``, present in every supported
 a compiled model fails at its first forward instead. ``checkpoint.py`` (activation checkpointing)
 is user computation and stays traceable; a checkpointed region that holds a wrapper, offloads, or
 holds norms tracking statistics goes through the skipped ``_recompute.py`` and runs eagerly (see there).
+``_direct_call.py`` stays traceable too: its forward pre-hooks sit on the modules inside compiled
+forwards and return at once under compilation (a skipped hook would break the graph at every module).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = ["TRACED_MODULES", "queue_end_of_backward", "run_eagerly_under_compile
 log = logging.getLogger(__name__)
 
 # modules whose code belongs in the compiled graph; every other module of the package runs eagerly
-TRACED_MODULES = frozenset({"checkpoint"})
+TRACED_MODULES = frozenset({"checkpoint", "_direct_call"})  # (_direct_call: its hooks; see its note)
 _registered = False
 
 

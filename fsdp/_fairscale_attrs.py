@@ -25,40 +25,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import allocated_bytes
-from fsdp.api import CPUOffload, FSDPConfig, MixedPrecision, ShardingStrategy, TrainingState
+from fsdp._wrapper_protocol import Wrapper, WrapperMixin
+from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
 from fsdp.consistency import WRAPPED, plain_name
 from fsdp.shared_params import check_shared_param
 
-__all__ = ["FairscaleAttributes", "FlattenParamsLevel", "built_torch_style", "is_expert"]
+__all__ = ["FairscaleAttributes", "FlattenParamsLevel", "is_expert"]
 
 log = logging.getLogger(__name__)
 _GB = 1024**3
-
-# the constructor's torch-FSDP-only arguments and their defaults: a wrapper given any other value was
-# built torch's way (a MixedPrecision or CPUOffload object in place of fairscale's bools counts too)
-_TORCH_ONLY = {
-    "sharding_strategy": None,
-    "param_init_fn": None,
-    "backward_prefetch": True,
-    "forward_prefetch": None,
-    "limit_all_gathers": True,
-    "auto_wrap_policy": None,
-    "sync_module_states": False,
-    "device_id": None,
-    "use_orig_params": False,
-    "ignored_modules": None,
-    "ignored_states": None,
-}
-
-
-def built_torch_style(options: dict[str, Any]) -> bool:
-    """Whether the constructor's arguments (``options``, by name) are torch FSDP1's rather than
-    fairscale's: a torch-only argument given, or torch's option objects in place of fairscale's flags.
-    Where the two libraries differ (``model.module``, flat parameter names) the wrapper follows the
-    library it was built for."""
-    if any(options.get(k, d) is not d and options.get(k, d) != d for k, d in _TORCH_ONLY.items()):
-        return True
-    return not all(isinstance(options.get(k, False), bool) for k in ("mixed_precision", "cpu_offload"))
 
 
 class FlattenParamsLevel:
@@ -151,7 +126,7 @@ def _field(name: str, path: str) -> property:
     return _option(read)
 
 
-def is_expert(wrapper: Any, root: Any) -> bool:
+def is_expert(wrapper: Wrapper, root: Wrapper) -> bool:
     """Whether ``wrapper`` is an expert under ``root`` as fairscale defines one: its process group
     holds one rank while the root trains over more, so each rank holds other parameters there."""
     mine, roots = wrapper.fsdp_config.comm, root.fsdp_config.comm
@@ -163,27 +138,8 @@ def is_expert(wrapper: Any, root: Any) -> bool:
     )
 
 
-class FairscaleAttributes:
-    fsdp_config: FSDPConfig
-    _torch_options: Any  # fsdp._torch_compat.TorchOptions: torch's view of the options, if built its way
-    handles: list[Any]
-    training_state: TrainingState
-    _reshard_after_forward: bool
-    _wrappers: Callable[[], list[Any]]
-    _is_root: bool | None
-    _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
-    _torch_style: bool  # built with torch FSDP1's arguments (see built_torch_style)
-    _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
-    _bind: Callable[[Any], None]  # ModuleOps's
-    # provided by the wrapper (the root's context, None before lazy init) and by StatsMethods
-    _ctx: Any
-    memory_stats: Callable[[], dict[str, int]]
-
-    def _context_is_idle(self) -> bool:
-        raise NotImplementedError
-
-    def _release_context(self) -> None:
-        raise NotImplementedError
+class FairscaleAttributes(WrapperMixin):
+    """fairscale's attributes and debugging aids on the wrapper (see the module docstring)."""
 
     def extra_repr(self) -> str:
         sharding = self.fsdp_config.sharding
@@ -246,8 +202,7 @@ class FairscaleAttributes:
     def cpu_offload(self) -> bool | CPUOffload:
         """fairscale's older name of :attr:`move_params_to_cpu`; on a wrapper built torch's way,
         torch's ``CPUOffload`` object (``model.cpu_offload.offload_params``)."""
-        shown = self._torch_options.cpu_offload
-        return self.move_params_to_cpu if shown is None else shown
+        return self._torch_options.shown_cpu_offload(self.move_params_to_cpu)
 
     # fairscale's resolved options, as stored
     process_group_reduce_scatter = _field("process_group_reduce_scatter", "comm.process_group_reduce_scatter")
@@ -279,8 +234,7 @@ class FairscaleAttributes:
         """Whether parameters are cast for the all-gather and compute (fairscale's flag); on a
         wrapper built torch's way, torch's ``MixedPrecision`` object (``MixedPrecision()`` when none
         was given), which is true when it casts the parameters."""
-        shown = self._torch_options.mixed_precision
-        return self.fsdp_config.precision.mixed if shown is None else shown
+        return self._torch_options.shown_mixed_precision(self.fsdp_config.precision.mixed)
 
     @_option
     def compute_dtype(self) -> torch.dtype:
@@ -463,7 +417,7 @@ class FairscaleAttributes:
         """The name of flat parameter ``index`` of the wrapper at ``path`` (our module path, with
         ``_fsdp_wrapped_module`` levels) in the library this root was built for."""
         path = f"{path}." if path else ""
-        if self._torch_style:  # torch FSDP1 registers it on the wrapped module
+        if self._torch_options.torch_style:  # torch FSDP1 registers it on the wrapped module
             return f"{path}{WRAPPED}._flat_param" + (f"_{index}" if index else "")
         # fairscale: the FlattenParamsWrapper under each wrapper holds it, the module one level further
         return path.replace(f"{WRAPPED}.", f"{WRAPPED}._fpw_module.") + f"{WRAPPED}.flat_param_{index}"

@@ -48,10 +48,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp._wrapper_protocol import Wrapper, WrapperMixin, as_module
 from fsdp.api import CommConfig, FSDPConfig, ShardingStrategy, TrainingState
 from fsdp.consistency import wrapper_path
-from fsdp.flat_param import claim_modules, collect_owned
-from fsdp.handle import FlatParamHandle
+from fsdp.flat_param import collect_owned
+from fsdp.guards import claim_modules
 from fsdp.topology import is_stand_in
 
 __all__ = ["DetachedGroup", "ModuleOps", "detached_comm"]
@@ -124,27 +125,10 @@ def _probe(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, devic
     return out.dtype, out.device
 
 
-class ModuleOps:
+class ModuleOps(WrapperMixin):
     """Conversions after wrapping (``_apply``), copies (``__deepcopy__``, ``__getstate__``) and
     setting the process group. See [Note: conversions after wrapping] and [Note: copies of a wrapped
     model]."""
-
-    # provided by the wrapper
-    handles: list[FlatParamHandle]
-    fsdp_config: FSDPConfig
-    training_state: TrainingState
-    _frozen: bool
-    _buffer_dtypes: dict[str, torch.dtype]
-    _fsdp_wrapped_module: nn.Module
-    _parameters: dict[str, Any]
-    _ctx: Any
-    _outer: Any
-    _module_param_order: dict[nn.Module, list[str]]
-    _ignored: Any
-    _original_params: weakref.WeakValueDictionary[int, nn.Parameter]
-
-    def _wrappers(self) -> list[Any]:
-        raise NotImplementedError
 
     def _runtime_state(self) -> dict[str, Any]:
         """What a copy or a pickle does not take: a fresh wrapper's values of the state a forward, a
@@ -161,9 +145,6 @@ class ModuleOps:
             "_original_names": {},
         }
 
-    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
-        raise NotImplementedError
-
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``.half()``, ``.to()``, ``.cuda()``, ... after wrapping. See [Note: conversions after wrapping]."""
         if self._frozen:  # an outer wrapper's deferred initialization is running
@@ -174,7 +155,7 @@ class ModuleOps:
         self._follow_conversion(fn)
         return self
 
-    def _check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor], caller: Any) -> None:
+    def _check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor], caller: Wrapper) -> None:
         changes = False
         for h in self.handles:
             param = h.flat_param
@@ -184,14 +165,14 @@ class ModuleOps:
             changes = True
             if device != param.device and h.offloaded:
                 raise RuntimeError(
-                    f"FullyShardedDataParallel: .to() / .cuda() after wrapping would move the shards of {wrapper_path(caller, self)!r} to "
+                    f"FullyShardedDataParallel: .to() / .cuda() after wrapping would move the shards of {wrapper_path(as_module(caller), self)!r} to "
                     f"{device}, but CPU offload (move_params_to_cpu) keeps them on the host; compute runs on "
                     f"{h.compute_device}. Move the module before wrapping it, or pass compute_device / device_id"
                 )
             if dtype != param.dtype and self.fsdp_config.precision.param_dtype is not None:
                 raise RuntimeError(
                     f"FullyShardedDataParallel: .half() / .to(dtype) after wrapping would make the master weights of "
-                    f"{wrapper_path(caller, self)!r} {dtype}; under mixed precision they stay {param.dtype} and compute runs in "
+                    f"{wrapper_path(as_module(caller), self)!r} {dtype}; under mixed precision they stay {param.dtype} and compute runs in "
                     f"{self.fsdp_config.precision.param_dtype}. Change compute_dtype (or MixedPrecision.param_dtype) "
                     "instead, or wrap without mixed precision to train in one dtype"
                 )
@@ -206,7 +187,7 @@ class ModuleOps:
         )
         if changes and not idle:
             raise RuntimeError(
-                f"FullyShardedDataParallel: .half() / .to() / .cuda() on {wrapper_path(caller, self)!r} during a step (its state is "
+                f"FullyShardedDataParallel: .half() / .to() / .cuda() on {wrapper_path(as_module(caller), self)!r} during a step (its state is "
                 f"{self.training_state.name}, or a forward, backward or no_sync() of its tree is not over); "
                 "convert the model between steps"
             )
@@ -218,9 +199,11 @@ class ModuleOps:
         device = _probe(fn, torch.float32, config.compute_device)[1]
         changed = device != config.compute_device
         if changed:
-            self.fsdp_config = dataclasses.replace(config, compute_device=device)
+            self.fsdp_config: FSDPConfig = dataclasses.replace(
+                config, compute_device=device
+            )  # (mypy: the declared type)
         for i, h in enumerate(self.handles):
-            registered = self._parameters.get(f"flat_param_{i}", h.flat_param)
+            registered: Any = as_module(self)._parameters.get(f"flat_param_{i}", h.flat_param)
             replaced = registered is not h.flat_param
             if replaced:  # (a conversion that replaces parameters: torch.__future__'s overwrite option)
                 h.flat_param = registered
@@ -309,9 +292,6 @@ class ModuleOps:
             inner._outer = weakref.ref(self)
         claim_modules(self, self._module_param_order)
         self._register_live()
-
-    def _register_live(self) -> None:
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ process groups
     def _bind(self, group: Any) -> None:

@@ -78,7 +78,7 @@ from fsdp._compile import queue_end_of_backward
 from fsdp._device import DeviceHandle
 from fsdp._offload_slice import Residency, _Slice
 
-__all__ = ["OffloadConfig"]
+__all__ = ["OffloadModelConfig"]
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -89,7 +89,7 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadModelConfig:
     """The validated options of an :class:`OffloadModel`.
 
     ``num_slices`` is checked against the number of layers by the model, which knows it.
@@ -155,7 +155,7 @@ class _SliceRecord:
 class _Engine:
     """Owns the slices, the streams and the schedule. See [Note: offload schedule]."""
 
-    config: OffloadConfig
+    config: OffloadModelConfig
     handle: DeviceHandle  # for config.device
     slices: list[_Slice]
     pin: bool  # host buffers that feed the device are pinned (CUDA device, CPU offload)
@@ -164,7 +164,7 @@ class _Engine:
     _boundary: tuple[torch.Tensor, torch.Tensor] | None  # (offload copy, device tensor) of the last output
     _end_backward_queued: bool  # the current backward has queued _end_backward
 
-    def __init__(self, config: OffloadConfig, slices: list[_Slice]) -> None:
+    def __init__(self, config: OffloadModelConfig, slices: list[_Slice]) -> None:
         self.config = config
         self.handle = DeviceHandle(config.device)
         self.slices = slices

@@ -19,43 +19,16 @@ from torch import nn
 
 from fsdp import optim_state as optim_impl
 from fsdp import state_dict as sd_impl
+from fsdp import state_local
+from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch_fsdp
+from fsdp.consistency import collective
 
 __all__ = ["StateDictMethods"]
 
 
-class StateDictMethods:
+class StateDictMethods(WrapperMixin):
     """Full, local, sharded and consolidated state dicts; optimizer state gathered, sharded or in DCP form."""
-
-    # provided by the wrapper
-    _state_dict_settings: (
-        StateDictSettings  # what state_dict() / load_state_dict() mean; see state_dict_type()
-    )
-    _fsdp_wrapped_module: nn.Module
-    _buffer_dtypes: dict[str, torch.dtype]
-    handles: list[Any]
-    fsdp_config: Any
-
-    @property
-    def rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def compute_device(self) -> torch.device:
-        raise NotImplementedError
-
-    def _state_layout(self, root: nn.Module | None = None) -> Any:
-        """Where every original parameter and buffer of this wrapper tree lives (the wrapper's)."""
-        raise NotImplementedError
-
-    def _wrappers(self) -> list[Any]:
-        raise NotImplementedError
-
-    def _full_params_shown(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
-
-    def _state_dict_device(self) -> torch.device:
-        raise NotImplementedError
 
     @property
     def _state_dict_type(self) -> StateDictType:
@@ -73,7 +46,7 @@ class StateDictMethods:
 
     def _check_one_state_dict_type(self) -> None:
         """Every wrapper in this tree must mean the same kind of state dict (as torch FSDP requires)."""
-        kinds = {w._state_dict_type for w in self._wrappers()}
+        kinds = {w._state_dict_settings.state_dict_type for w in self._wrappers()}
         if len(kinds) > 1:
             raise ValueError(
                 "FullyShardedDataParallel: the wrappers in this model have different state dict types "
@@ -174,6 +147,7 @@ class StateDictMethods:
             )
         return settings[0]
 
+    @collective("state_dict()", when=lambda w: w._state_dict_type is not StateDictType.LOCAL_STATE_DICT)
     def state_dict(
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> Any:
@@ -242,6 +216,7 @@ class StateDictMethods:
             )
         return self._load(state_dict, strict)
 
+    @collective("load_state_dict()", when=lambda w: w._state_dict_type is not StateDictType.LOCAL_STATE_DICT)
     def _load(
         self,
         state_dict: Mapping[str, Any],
@@ -320,7 +295,7 @@ class StateDictMethods:
         ``nn.Module.state_dict``), or the parameters themselves with ``keep_vars``. As in fairscale,
         entries go into ``destination`` if given, under ``prefix``.
         """
-        local = sd_impl.local_state_dict(self._state_layout(), keep_vars)
+        local = state_local.local_state_dict(self._state_layout(), keep_vars)
         out = destination if destination is not None else OrderedDict()
         out.update((prefix + k, v) for k, v in local.items())
         return out
@@ -328,11 +303,11 @@ class StateDictMethods:
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load this rank's :meth:`local_state_dict`. Another world size, rank or wrap plan raises
         ``ValueError`` saying which; nothing is written unless every entry fits. Not collective."""
-        return sd_impl.load_local_state_dict(self._state_layout(), state_dict, strict)
+        return state_local.load_local_state_dict(self._state_layout(), state_dict, strict)
 
     def local_metadata_dict(self) -> dict[str, Any]:
         """What :meth:`consolidate_shard_weights` needs besides every rank's :meth:`local_state_dict`."""
-        return sd_impl.local_metadata_dict(self._state_layout())
+        return state_local.local_metadata_dict(self._state_layout())
 
     @staticmethod
     def consolidate_shard_weights(
@@ -343,19 +318,24 @@ class StateDictMethods:
     ) -> dict[str, torch.Tensor]:
         """The unwrapped model's full state dict from every rank's local state and metadata dicts, offline
         (no process group). See :func:`fsdp.state_local.consolidate_shard_weights`."""
-        return sd_impl.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+        return state_local.consolidate_shard_weights(
+            shard_weights, shard_metadata, with_module_buffers, strict
+        )
 
+    @collective("sharded_state_dict()")
     def sharded_state_dict(self) -> dict[str, Any]:
         """Every parameter as a row-sharded ``DTensor`` and every buffer, keyed by its name in the unwrapped
         model, for ``torch.distributed.checkpoint.save`` / ``load`` (which reshard it to any world size).
         Collective. See [Note: sharded state dict layout] in fsdp/state_dict.py."""
         return sd_impl.sharded_state_dict(self._state_layout())
 
+    @collective("load_sharded_state_dict()")
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:
         """Load a :meth:`sharded_state_dict` (e.g. filled by ``torch.distributed.checkpoint.load``). Collective;
         the ranks agree that names and shapes fit before anything is written."""
         return sd_impl.load_sharded_state_dict(self._state_layout(), state_dict, strict)
 
+    @collective("gather_full_optim_state_dict()", agreed=("ignored",))
     def gather_full_optim_state_dict(
         self, optim: torch.optim.Optimizer, **ignored: Any
     ) -> dict[str, Any] | None:
@@ -379,11 +359,13 @@ class StateDictMethods:
         ``model.parameters()``. The argument is not modified."""
         return optim_impl.get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
 
+    @collective("sharded_optim_state_dict()")
     def sharded_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, per-element state as row-sharded ``DTensor``s, for
         ``torch.distributed.checkpoint``: it reshards without being gathered on one rank. Collective."""
         return optim_impl.sharded_optim_state_dict(self._state_layout(), optim)
 
+    @collective("load_sharded_optim_state_dict()")
     def load_sharded_optim_state_dict(
         self, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]
     ) -> None:

@@ -8,24 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.collectives import CommStats
 from fsdp.handle import FlatParamHandle, MemoryStats
 
 __all__ = ["StatsMethods"]
 
 
-class StatsMethods:
+class StatsMethods(WrapperMixin):
     """``comm_stats()``, ``memory_stats()`` and their resets."""
-
-    # provided by the wrapper
-    handles: list[FlatParamHandle]
-
-    @property
-    def _ctx(self) -> Any:
-        raise NotImplementedError
-
-    def _wrappers(self) -> list[Any]:
-        raise NotImplementedError
 
     def comm_stats(self) -> dict[str, dict[str, Any]]:
         """Collective calls, elements and bytes of the whole tree since the last reset."""

@@ -14,43 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp.api import FSDPConfig, MemoryState, TrainingState
-from fsdp.handle import FlatParamHandle
+from fsdp._wrapper_protocol import Wrapper, WrapperMixin, as_module
+from fsdp.api import MemoryState, TrainingState
+from fsdp.consistency import collective
 
 __all__ = ["SummonMethods"]
 
 
-class SummonMethods:
+class SummonMethods(WrapperMixin):
     """``summon_full_params()``, ``apply()`` and ``reset_parameters()``."""
 
-    # provided by the wrapper
-    handles: list[FlatParamHandle]
-    training_state: TrainingState
-    fsdp_config: FSDPConfig
-    _module_param_order: dict[nn.Module, list[str]]
-    _parameters: dict[str, Any]
-    _fsdp_wrapped_module: nn.Module
-    _require_groups: Callable[[str], None]  # ModuleOps's
     _summon_rank0_only = False  # inside a summon_full_params(rank0_only=True)
 
-    @property
-    def compute_device(self) -> torch.device:
-        raise NotImplementedError
-
-    @property
-    def module(self) -> nn.Module:
-        raise NotImplementedError
-
-    def _wrappers(self) -> list[Any]:
-        raise NotImplementedError
-
-    def assert_state(self, state: TrainingState | list[TrainingState]) -> None:
-        raise NotImplementedError
-
-    def _state(self, state: TrainingState) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
-
     @contextlib.contextmanager
+    @collective("summon_full_params()", agreed=("recurse", "rank0_only", "with_grads"))
     def summon_full_params(
         self,
         recurse: bool = True,
@@ -101,7 +78,7 @@ class SummonMethods:
             w.assert_state(TrainingState.IDLE)
         self._require_groups("summon_full_params()")
         show = not rank0_only or self.fsdp_config.comm.dp_rank == 0
-        entered: list[SummonMethods] = []
+        entered: list[Wrapper] = []
         # At world size 1 the full parameter is the shard itself: keep a copy to discard volatile writes.
         snapshots = [
             (h, h.sharded_data().clone()) for w in wrappers for h in w.handles if volatile and h.aliased
@@ -121,6 +98,20 @@ class SummonMethods:
             with torch.no_grad():
                 for h, saved in snapshots:
                     h.sharded_data().copy_(saved)
+
+    def _forward_in_summon(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward inside ``summon_full_params()``, the way fairscale and torch FSDP1 users run
+        ``generate``: the module runs on the full parameters shown (in full precision); nothing is
+        gathered, freed or hooked for backward. Not for training: the gradients would reach the shown
+        parameters, which the context discards."""
+        if torch.is_grad_enabled() and any(h.requires_grad for h in self.handles):
+            raise RuntimeError(
+                "FullyShardedDataParallel: a forward inside summon_full_params() with gradients enabled: its "
+                "gradients would reach the full parameters shown, which the context discards on exit. Run it "
+                "under torch.no_grad(), or call the model outside the context (calls of the wrapper or of the "
+                "wrapped module gather what they need by themselves)"
+            )
+        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def _full_params_shown(self) -> Iterator[None]:
@@ -162,16 +153,18 @@ class SummonMethods:
             m._parameters.clear()
             m._parameters.update((n, params.pop(n)) for n in order if n in params)
             m._parameters.update(params)
+        registered = as_module(self)._parameters  # (the wrapper's own: its flat parameters)
         for i in range(len(self.handles)):
-            self._parameters.pop(f"flat_param_{i}", None)
+            registered.pop(f"flat_param_{i}", None)
 
     def _hide_full_params(self, write_back: bool) -> None:
+        registered = as_module(self)._parameters
         for i, h in enumerate(self.handles):
             h.release_grad(write_back)
             if write_back and h.state is MemoryState.UNSHARDED:
                 h.write_back_()
             h.reshard(free_full=True)
-            self._parameters[f"flat_param_{i}"] = h.flat_param
+            registered[f"flat_param_{i}"] = h.flat_param
 
     def apply(self, fn: Callable[[nn.Module], None]) -> Any:
         """``nn.Module.apply`` with this wrapper's full parameters visible to ``fn`` (collective)."""

@@ -4,7 +4,7 @@ Code written for ``torch.distributed.fsdp.FullyShardedDataParallel`` runs after 
 of the wrapper alone: torch's own option objects are converted to ours
 (:func:`~fsdp.api.from_torch_fsdp`), ``device_id`` names the compute device, ``ignored_modules`` /
 ``ignored_states`` and ``auto_wrap_policy`` follow torch's rules, and a wrapper built torch's way
-shows torch's option objects as its attributes (:class:`TorchOptions`). The static whole-model
+shows torch's option objects as its attributes (:func:`torch_options_of`). The static whole-model
 methods are in ``fsdp/_torch_methods.py``. What cannot be honoured is refused with an error that
 says so.
 """
@@ -14,19 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from fsdp.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    from_torch_fsdp,
-)
+from fsdp._wrapper_protocol import Wrapper, as_module
+from fsdp.api import BackwardPrefetch, MixedPrecision, TorchOptions, from_torch_fsdp
 from fsdp.consistency import plain_name
 from fsdp.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.mixed_precision import cast_inputs
@@ -36,7 +31,6 @@ from fsdp.wrap import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_childre
 
 __all__ = [
     "FULL_PREC_IN_EVAL",
-    "TorchOptions",
     "adopt_attached",
     "check_full_prec_in_eval",
     "own_precision_modules",
@@ -100,60 +94,38 @@ def torch_fsdp_options(
 FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"  # torch FSDP1's environment variable
 
 
-@dataclass(frozen=True)
-class TorchOptions:
-    """What torch FSDP1's attributes of the same names show on a wrapper built torch's way.
-
-    ``mixed_precision`` / ``cpu_offload``: the option objects (``model.mixed_precision.param_dtype``,
-    ``model.cpu_offload.offload_params``), or ``None`` where fairscale's bool of that name is shown.
-    ``full_prec_in_eval``: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at construction (as torch reads it)."""
-
-    mixed_precision: MixedPrecision | None = None
-    cpu_offload: CPUOffload | None = None
-    full_prec_in_eval: bool = False
-
-
 _TORCH_ONLY_DEFAULTS = {  # torch-only constructor arguments and the default that says "not given"
     "sharding_strategy": None,
     "param_init_fn": None,
+    "backward_prefetch": True,
+    "forward_prefetch": None,
+    "limit_all_gathers": True,
     "auto_wrap_policy": None,
+    "sync_module_states": False,
     "device_id": None,
+    "use_orig_params": False,
     "ignored_modules": None,
     "ignored_states": None,
-    "sync_module_states": False,
-    "use_orig_params": False,
 }
 
 
-def torch_options_of(options: Mapping[str, Any], offload_params: bool) -> TorchOptions:
-    """The :class:`TorchOptions` of a constructor call (``options``: its arguments as given).
+def torch_options_of(options: Mapping[str, Any], by_torch_policy: bool = False) -> TorchOptions:
+    """The :class:`~fsdp.api.TorchOptions` of a constructor call (``options``: its arguments as given).
 
-    A wrapper is built torch's way when it was given a torch option object (``MixedPrecision``,
-    ``CPUOffload``, ``BackwardPrefetch``), ``None`` where fairscale takes a bool, or any argument
-    fairscale does not have. Then ``mixed_precision`` and ``cpu_offload`` show torch's objects
-    (``MixedPrecision()`` / ``CPUOffload(offload_params)`` when none was given), except where a
-    fairscale bool was given for that option (``mixed_precision=True``)."""
-    mp, offload = options.get("mixed_precision"), options.get("cpu_offload")
-    prefetch = from_torch_fsdp(options.get("backward_prefetch"))
-    torch_way = (
-        mp is None
-        or offload is None
-        or isinstance(from_torch_fsdp(mp), MixedPrecision)
-        or isinstance(from_torch_fsdp(offload), CPUOffload)
-        or prefetch is None
-        or isinstance(prefetch, BackwardPrefetch)
+    A wrapper is built torch FSDP1's way when it was given a torch option object (``MixedPrecision``,
+    ``CPUOffload``, ``BackwardPrefetch``), ``None`` (or anything but a bool) where fairscale takes a
+    bool, or any argument fairscale does not have at other than its default (``limit_all_gathers=False``
+    included), or when the ``auto_wrap_policy`` of a constructor call built it (``by_torch_policy``:
+    torch's way of wrapping, whose wrappers are torch's like their root). Otherwise fairscale's way."""
+    mp = from_torch_fsdp(options.get("mixed_precision", False))
+    offload = from_torch_fsdp(options.get("cpu_offload", False))
+    torch_style = (
+        by_torch_policy
+        or not isinstance(mp, bool)
+        or not isinstance(offload, bool)
         or any(options.get(k, default) is not default for k, default in _TORCH_ONLY_DEFAULTS.items())
     )
-    full_prec = os.environ.get(FULL_PREC_IN_EVAL, "") == "1"
-    if not torch_way:
-        return TorchOptions(full_prec_in_eval=full_prec)
-    mp_object = from_torch_fsdp(mp)
-    if not isinstance(mp_object, MixedPrecision):
-        mp_object = None if mp is True else MixedPrecision()
-    offload_object = from_torch_fsdp(offload)
-    if not isinstance(offload_object, CPUOffload):
-        offload_object = None if offload is True else CPUOffload(offload_params=offload_params)
-    return TorchOptions(mp_object, offload_object, full_prec)
+    return TorchOptions(torch_style, mp, offload, os.environ.get(FULL_PREC_IN_EVAL, "") == "1")
 
 
 def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool, grad_enabled: bool) -> bool:
@@ -172,7 +144,7 @@ def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool, g
     return True
 
 
-def check_full_prec_in_eval(wrappers: list[Any]) -> None:
+def check_full_prec_in_eval(wrappers: Sequence[Wrapper]) -> None:
     """torch's rule: ``FSDP_USE_FULL_PREC_IN_EVAL`` (read when each wrapper is built) is one value for
     the whole tree; a tree built partly with it and partly without is refused at the root's lazy init."""
     with_it = [w for w in wrappers if w._torch_options.full_prec_in_eval]
@@ -239,14 +211,14 @@ def resolve_ignored(
     if not items:
         return NOTHING_IGNORED
     # every module inside `module`: its plain path and the nearest inner wrapper above it
-    where: dict[int, tuple[str, Any]] = {}
-    stack: list[tuple[nn.Module, str, Any]] = [(module, "", None)]
+    where: dict[int, tuple[str, Wrapper | None]] = {}
+    stack: list[tuple[nn.Module, str, Wrapper | None]] = [(module, "", None)]
     while stack:
         m, path, above = stack.pop()
         if id(m) in where:
             continue
         where[id(m)] = (plain_name(path), above)
-        below = m if m is not module and is_wrapper(m) else above
+        below = cast(Wrapper, m) if m is not module and is_wrapper(m) else above
         stack.extend((c, f"{path}.{n}" if path else n, below) for n, c in m._modules.items() if c is not None)
     roots = [x for x in items if isinstance(x, nn.Module)] if are_modules else []
     outside = [r for r in roots if id(r) not in where and not is_wrapper(r)]  # (torch: passed over)
@@ -269,7 +241,7 @@ def resolve_ignored(
 def _ignored_by_inner(
     root: nn.Module,
     module: nn.Module,
-    where: Mapping[int, tuple[str, Any]],
+    where: Mapping[int, tuple[str, Wrapper | None]],
     is_wrapper: Callable[[nn.Module], bool],
     arg: str,
 ) -> bool:
@@ -414,7 +386,7 @@ def wrap_children_with_policy(
             module,
             transformer_auto_wrap_policy(set(classes)),
             wrapper_cls,
-            lambda m: wrapper_cls(m, **_options_inside(fp32_options, ignored, m)),
+            lambda m: _built_by_policy(wrapper_cls, m, _options_inside(fp32_options, ignored, m)),
             ignored,
         )
         for m in full_precision:
@@ -424,7 +396,7 @@ def wrap_children_with_policy(
             module,
             policy,
             wrapper_cls,
-            lambda m: wrapper_cls(m, **_options_inside(options, ignored, m)),
+            lambda m: _built_by_policy(wrapper_cls, m, _options_inside(options, ignored, m)),
             ignored,
         )
         return
@@ -437,9 +409,17 @@ def wrap_children_with_policy(
         module,
         pick,
         wrapper_cls,
-        lambda m: wrapper_cls(m, **_options_inside({**options, **picked[m]}, ignored, m)),
+        lambda m: _built_by_policy(wrapper_cls, m, _options_inside({**options, **picked[m]}, ignored, m)),
         ignored,
     )
+
+
+def _built_by_policy(wrapper_cls: type, module: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    """A wrapper that the constructor's ``auto_wrap_policy`` builds around ``module``, with ``options``:
+    built torch's way, like its root (see :func:`torch_options_of`)."""
+    wrapper: Wrapper = wrapper_cls(module, **options)
+    wrapper._torch_options = torch_options_of(options, by_torch_policy=True)
+    return as_module(wrapper)
 
 
 def _run_in_fp32(module: nn.Module) -> None:

@@ -27,9 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import optim_state as optim_impl
+from fsdp._state_methods import StateDictMethods
 from fsdp._summon_methods import SummonMethods
-from fsdp.api import BackwardPrefetch, FSDPConfig, StateDictSettings, StateDictType
-from fsdp.consistency import CHECKPOINT_WRAPPED, plain_name
+from fsdp._wrapper_protocol import Wrapper, WrapperMixin
+from fsdp.api import BackwardPrefetch, StateDictSettings, StateDictType
+from fsdp.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.state_layout import Layout, describe
 
 __all__ = ["InstanceOrStatic", "TorchFSDPMethods", "WholeModel"]
@@ -40,7 +42,7 @@ class WholeModel:
     wrappers, or a module without any. ``group``, if given, must hold the ranks the model trains over."""
 
     model: nn.Module
-    wrappers: list[Any]  # every wrapper inside, outermost first
+    wrappers: list[Wrapper]  # every wrapper inside, outermost first
     what: str  # the method's name, for messages
 
     def __init__(self, model: nn.Module, what: str, group: Any = None) -> None:
@@ -63,9 +65,9 @@ class WholeModel:
             )
 
     @staticmethod
-    def _dp_group(wrapper: Any) -> dist.ProcessGroup:
+    def _dp_group(wrapper: Wrapper) -> dist.ProcessGroup:
         comm = wrapper.fsdp_config.comm
-        return comm.dp_group or comm.process_group  # type: ignore[no-any-return]
+        return comm.dp_group or comm.process_group
 
     def _ranks(self) -> tuple[int, ...]:
         if self.wrappers:
@@ -80,13 +82,13 @@ class WholeModel:
                 "torch.distributed.init_process_group() first"
             )
 
-    def outermost(self) -> list[Any]:
+    def outermost(self) -> list[Wrapper]:
         return TorchFSDPMethods.fsdp_modules(self.model, root_only=True)
 
     def layout(self) -> Layout:
         """Where every parameter of the model lives (parameters above the wrappers: plain ones)."""
         if isinstance(self.model, TorchFSDPMethods) or self.wrappers:
-            return self.wrappers[0]._state_layout(self.model)  # type: ignore[no-any-return]
+            return self.wrappers[0]._state_layout(self.model)
         self._require_group()
         devices = {p.device for p in self.model.parameters()}
         device = devices.pop() if len(devices) == 1 else torch.device("cpu")
@@ -99,7 +101,7 @@ class WholeModel:
         """The wrappers' state dict settings (they must agree); the full state dict without wrappers."""
         if not self.wrappers:
             return StateDictSettings(StateDictType.FULL_STATE_DICT)
-        return self.wrappers[0].get_state_dict_type(self.model)  # type: ignore[no-any-return]
+        return StateDictMethods.get_state_dict_type(self.model)
 
     def optim_rank0_only(self) -> bool:
         return bool(getattr(self.settings.optim_state_dict_config, "rank0_only", False))
@@ -234,18 +236,8 @@ def _refuse_torchs_dcp_optimizer_state() -> None:
         frame = frame.f_back
 
 
-class TorchFSDPMethods:
+class TorchFSDPMethods(WrapperMixin):
     """torch FSDP1's methods on the wrapper class. The static ones take any model (see the module docstring)."""
-
-    fsdp_config: FSDPConfig
-    _is_root: bool | None
-
-    @property
-    def _inside_another(self) -> bool:
-        raise NotImplementedError
-
-    def _lazy_init(self) -> None:
-        raise NotImplementedError
 
     @property
     def backward_prefetch(self) -> BackwardPrefetch | None:
@@ -336,6 +328,7 @@ class TorchFSDPMethods:
         return optim_impl.sharded_optim_state_dict(whole.layout(), optim)
 
     @staticmethod
+    @collective("full_optim_state_dict()", agreed=("rank0_only",), owner="model")
     def full_optim_state_dict(
         model: nn.Module,
         optim: torch.optim.Optimizer,
@@ -363,6 +356,7 @@ class TorchFSDPMethods:
         return optim_impl.get_shard_from_optim_state_dict(whole.layout(), full_optim_state_dict, optim)
 
     @staticmethod
+    @collective("scatter_full_optim_state_dict()", owner="model")
     def scatter_full_optim_state_dict(
         full_optim_state_dict: dict[str, Any] | None,
         model: nn.Module,
@@ -411,6 +405,7 @@ class TorchFSDPMethods:
         return _full_named(whole.layout(), optim, whole.optim_rank0_only())
 
     @staticmethod
+    @collective("optim_state_dict_to_load()", owner="model")
     def optim_state_dict_to_load(
         model: nn.Module,
         optim: torch.optim.Optimizer,

@@ -38,6 +38,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "TorchOptions",
     "TrainingState",
     "from_torch_fsdp",
 ]
@@ -542,6 +543,45 @@ class ScheduleConfig:
             _check_bool(name, getattr(self, name))
         if self.forward_prefetch is not None:
             _check_bool("forward_prefetch", self.forward_prefetch)
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """How a wrapper was built, torch FSDP1's way or fairscale's, decided once from the constructor's
+    arguments as given (``fsdp._torch_compat.torch_options_of``). Where the two libraries differ
+    (``model.module``, the flat parameters' names, the ``mixed_precision`` / ``cpu_offload``
+    attributes) a wrapper follows the one it was built for.
+
+    ``torch_style``: built torch's way. ``mixed_precision`` / ``cpu_offload``: the values given (a
+    torch option object as this library's). ``full_prec_in_eval``: ``FSDP_USE_FULL_PREC_IN_EVAL=1``
+    at construction (as torch reads it)."""
+
+    torch_style: bool = False
+    mixed_precision: MixedPrecision | bool | None = False
+    cpu_offload: CPUOffload | bool | None = False
+    full_prec_in_eval: bool = False
+
+    def shown_mixed_precision(self, mixed: bool) -> bool | MixedPrecision:
+        """``model.mixed_precision``: fairscale's flag (``mixed``), or on a wrapper built torch's way
+        torch's object (``MixedPrecision()`` when none was given), unless fairscale's ``True`` was given."""
+        if isinstance(self.mixed_precision, MixedPrecision):
+            return self.mixed_precision
+        if not self.torch_style or self.mixed_precision is True:
+            return mixed
+        return _NO_MIXED_PRECISION
+
+    def shown_cpu_offload(self, params_to_cpu: bool) -> bool | CPUOffload:
+        """``model.cpu_offload``: fairscale's flag (``params_to_cpu``), or on a wrapper built torch's way
+        torch's ``CPUOffload(offload_params=...)``, unless fairscale's ``True`` was given."""
+        if isinstance(self.cpu_offload, CPUOffload):
+            return self.cpu_offload
+        if not self.torch_style or self.cpu_offload is True:
+            return params_to_cpu
+        return _CPU_OFFLOAD[params_to_cpu]
+
+
+_NO_MIXED_PRECISION = MixedPrecision()  # (frozen: one object serves every wrapper)
+_CPU_OFFLOAD = {flag: CPUOffload(offload_params=flag) for flag in (False, True)}
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from fsdp.checkpoint_files import (
     recording_writer,
     verify_share,
 )
+from fsdp.consistency import collective
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.optim_state import (
     OptimLoadPlan,
@@ -212,6 +213,7 @@ def _remove_unfinished(root: Path) -> None:
 
 
 # ---------------------------------------------------------------------- save
+@collective("save_checkpoint()", owner="model")
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: FullyShardedDataParallel,
@@ -355,6 +357,7 @@ def save_checkpoint(
 
 
 # ---------------------------------------------------------------------- load
+@collective("load_checkpoint()", owner="model")
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: FullyShardedDataParallel,

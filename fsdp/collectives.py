@@ -9,6 +9,7 @@ torch 2.13 names (``all_gather_single`` / ``reduce_scatter_single``) and the old
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hashlib
 import logging
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._device import default_compute_device
+from fsdp.lost_ranks import is_connection_loss, lost_rank_message
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +31,16 @@ __all__ = [
     "CollectiveKind",
     "CommStats",
     "Pending",
+    "activity",
     "all_gather",
     "all_reduce",
     "broadcast",
     "broadcast_from_first_rank",
+    "control_group",
     "get_process_group_cached",
     "hybrid_groups",
     "reduce_scatter",
+    "set_activity",
 ]
 
 _all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -104,18 +109,45 @@ TIMEOUT_HINT = (
 )
 
 
+# What this process is doing, for the message when a peer is lost: (phase, unit path), set by the
+# wrapper at each phase and by the handshakes (see fsdp/lost_ranks.py). A plain module global: one
+# assignment per phase, read only on an error.
+_activity: tuple[str, str] = ("", "")
+
+
+def set_activity(phase: str, unit: str = "") -> None:
+    """Record that this process now runs ``phase`` (of the wrapper at ``unit``)."""
+    global _activity
+    _activity = (phase, unit)
+
+
+def activity() -> str:
+    """What :func:`set_activity` last recorded, in words ("" if nothing)."""
+    return _describe(_activity)
+
+
+def _describe(what: tuple[str, str]) -> str:
+    phase, unit = what
+    return f"{phase} of unit {unit!r}" if unit else phase
+
+
 @dataclass
 class Pending:
     """A launched collective. ``wait()`` blocks (CPU) or orders the current stream (CUDA) after it.
 
     ``keep_alive`` holds tensors the collective reads or writes, so that their memory cannot be
-    reused before the collective finished (no reliance on ``record_stream``).
+    reused before the collective finished (no reliance on ``record_stream``). ``kind``, ``group``
+    and ``launched_in`` (what the process did at the launch) only serve the error message when a
+    peer is lost during the wait.
     """
 
     work: Any
     output: torch.Tensor
     keep_alive: tuple[torch.Tensor, ...] = ()
     then: Callable[[], torch.Tensor] | None = None  # runs once inside wait(); returns the output
+    kind: str = ""
+    group: Any = None
+    launched_in: tuple[str, str] = ("", "")
 
     @property
     def launched(self) -> bool:
@@ -127,15 +159,35 @@ class Pending:
             try:
                 self.work.wait()
             except RuntimeError as e:
-                if "timed out" in str(e).lower():
-                    raise RuntimeError(f"{e}\n{TIMEOUT_HINT}") from e
-                raise
+                explained = _explained(e, self.kind, self.group, self.launched_in)
+                if explained is e:
+                    raise
+                raise explained from e
             self.work = None
         if self.then is not None:
             self.output = self.then()
             self.then = None
         self.keep_alive = ()
         return self.output
+
+
+def _explained(e: RuntimeError, kind: str, group: Any, launched_in: tuple[str, str]) -> RuntimeError:
+    """The backend's error with what it means: a timeout (ranks in different collectives, most
+    likely) or a lost peer (which rank, and where this rank was)."""
+    text = str(e).lower()
+    if is_connection_loss(e) and group is not None:
+        try:
+            ranks = dist.get_process_group_ranks(group)
+        except (RuntimeError, ValueError):  # (a group torch no longer knows)
+            return e
+        what = f"a{'n' if kind[:1] in 'aeiou' else ''} {kind.replace('_', '-')}" if kind else "a collective"
+        return RuntimeError(f"{lost_rank_message(ranks, what, _describe(launched_in), activity())}\n({e})")
+    if "timed out" in text or "timeout" in text:
+        return RuntimeError(f"{e}\n{TIMEOUT_HINT}")
+    return e
+
+
+_REDUCE_SCATTER = CollectiveKind.REDUCE_SCATTER.value
 
 
 def _size(group: dist.ProcessGroup) -> int:
@@ -158,9 +210,12 @@ def all_gather(
         output.copy_(shard.view_as(output))
         return Pending(None, output)
     if output.device.type == "cpu" and n <= _BROADCAST_GATHER_MAX_RANKS:
-        return Pending(_broadcast_gather(output, shard, group, n), output, (shard,))
-    work = _all_gather_fn(output, shard, group=group, async_op=True)
-    return Pending(work, output, (shard,))
+        work: Any = _broadcast_gather(output, shard, group, n)
+    else:
+        work = _all_gather_fn(output, shard, group=group, async_op=True)
+    return Pending(
+        work, output, (shard,), kind=CollectiveKind.ALL_GATHER.value, group=group, launched_in=_activity
+    )
 
 
 # On the CPU, gloo's all-gather receives into a fresh temporary and copies every chunk out of it.
@@ -222,14 +277,14 @@ def reduce_scatter(
         def copy_out() -> torch.Tensor:
             return mine.clone() if output is None else output.copy_(mine.view_as(output))
 
-        return Pending(work, mine, (full,), then=copy_out)
+        return Pending(work, mine, (full,), copy_out, _REDUCE_SCATTER, group, _activity)
     if output is None:
         output = full.new_empty(full.numel() // n)
     if n == 1:
         output.copy_(full.view_as(output))
         return Pending(None, output)
     work = _reduce_scatter_fn(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, output, (full,))
+    return Pending(work, output, (full,), None, _REDUCE_SCATTER, group, _activity)
 
 
 # On the CPU, gloo's reduce-scatter is an all-reduce of a full-size copy it allocates (and holds
@@ -275,7 +330,7 @@ def _exchange_reduce_scatter(
         received.clear()
         return out if output is None else output
 
-    return Pending(_Works(works), mine, (full,), then=total)
+    return Pending(_Works(works), mine, (full,), total, _REDUCE_SCATTER, group, _activity)
 
 
 def all_reduce(
@@ -289,7 +344,8 @@ def all_reduce(
         stats.record(CollectiveKind.ALL_REDUCE, tensor)
     if _size(group) == 1:
         return Pending(None, tensor)
-    return Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return Pending(work, tensor, kind=CollectiveKind.ALL_REDUCE.value, group=group, launched_in=_activity)
 
 
 def broadcast(
@@ -301,7 +357,8 @@ def broadcast(
     if _size(group) == 1:
         return Pending(None, tensor)
     src = dist.get_global_rank(group, src_group_rank)
-    return Pending(dist.broadcast(tensor, src=src, group=group, async_op=True), tensor)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return Pending(work, tensor, kind=CollectiveKind.BROADCAST.value, group=group, launched_in=_activity)
 
 
 _group_cache: dict[tuple[str, int, tuple[int, ...]], dist.ProcessGroup] = {}
@@ -359,6 +416,50 @@ def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.Pro
     return _group_cache[key]
 
 
+_control_cache: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup, torch.device]] = {}
+
+
+def control_group(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, torch.device]:
+    """The group and device for the fixed-size handshakes among ``group``'s ranks
+    (:func:`fsdp.consistency.agree_on_entry`).
+
+    For a group of the whole world (the default one, or one a user made of every rank), a gloo
+    group of its own, made once per group (collective over the world on first use, as in
+    :func:`get_process_group_cached`): a handshake then never pairs with a collective that carries
+    data, whatever a rank does in between (gloo aborts the process when a larger message arrives
+    than was expected), and it needs no device synchronization under NCCL. Its timeout is
+    ``group``'s. For a subgroup, ``group`` itself (see [Note: creating groups]), on the CPU when its
+    backend takes CPU tensors, else on the current CUDA device. One control group per group object,
+    not per rank set: a group whose collective timed out has its connections closed by gloo, and
+    must not take another group's control group down with it.
+    """
+    key = (id(dist.group.WORLD), id(group))
+    if key not in _control_cache:
+        backend = str(dist.get_backend(group)).lower()
+        ranks = dist.get_process_group_ranks(group)
+        cpu = torch.device("cpu")
+        if len(ranks) == dist.get_world_size() > 1 and ("gloo" in backend or "nccl" in backend):
+            local = _registered_groups_agree()
+            timeout = datetime.timedelta(seconds=_timeout_seconds(group))
+            made = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=local)
+            _control_cache[key] = (group, made, cpu)  # (the group is held: its id stays unique)
+        else:
+            cuda_only = "nccl" in backend and "gloo" not in backend  # NCCL sends device tensors only
+            _control_cache[key] = (group, group, default_compute_device(set()) if cuda_only else cpu)
+    _, control, device = _control_cache[key]
+    return control, device
+
+
+def _timeout_seconds(group: dist.ProcessGroup) -> float:
+    """``group``'s collective timeout (torch's default where it cannot be read)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return float(group._get_backend(torch.device(device)).options._timeout.total_seconds())
+        except (RuntimeError, AttributeError):
+            continue
+    return float(dist.default_pg_timeout.total_seconds())
+
+
 # [Note: creating groups]
 # torch names a group made with ``use_local_synchronization=True`` after its ranks and the number of
 # groups the calling rank has registered; a rank registers only the groups it is a member of. After
@@ -370,8 +471,9 @@ def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.Pro
 # against none in 34 with named groups). So a group of the world is made with local synchronization
 # when every rank has registered as many groups (one small all-gather says), else without it. A
 # second group of a subgroup is only made where every rank takes part (hybrid_groups); elsewhere
-# the subgroup itself serves. (Under a device-bound default group NCCL splits every new group from
-# the world's communicator, which again needs every rank.)
+# the subgroup itself serves. The handshakes' control group (control_group) follows the same rule;
+# the first wrapper construction makes it before any other group. (Under a device-bound default group NCCL
+# splits every new group from the world's communicator, which again needs every rank.)
 def _registered_groups_agree() -> bool:
     """Whether every rank has registered as many process groups (collective over the world)."""
     backend = str(dist.get_backend())
@@ -396,7 +498,14 @@ def all_gather_ints(
     world = dist.get_world_size(group)
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
-    all_gather(everyone, mine, group, stats).wait()
+    if world == 1:
+        return [tuple(values)]
+    if stats is not None:
+        stats.record(CollectiveKind.ALL_GATHER, everyone)
+    # one collective: for a few bytes the latency of a call is all there is (all_gather's broadcasts
+    # for a few ranks pay it once per rank)
+    work = _all_gather_fn(everyone, mine, group=group, async_op=True)
+    Pending(work, everyone, (mine,), None, CollectiveKind.ALL_GATHER.value, group, _activity).wait()
     return [tuple(row) for row in everyone.view(world, len(values)).tolist()]
 
 

@@ -40,11 +40,11 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from fsdp import collectives
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, default_compute_device
-from fsdp.buckets import BucketConfig, BucketLayout, GradBucketer, MissingGradientError
+from fsdp.buckets import BucketConfig, BucketLayout, GradBucketer
 from fsdp.collectives import CommStats
 from fsdp.nest import visit_tensors
 
-__all__ = ["DistributedDataParallel", "MissingGradientError"]
+__all__ = ["DistributedDataParallel"]
 
 log = logging.getLogger(__name__)
 

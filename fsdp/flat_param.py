@@ -19,38 +19,33 @@ views of the flat parameter while it is unsharded (forward, backward) and, insid
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp._device import SideCopies
 from fsdp.deferred_init import materialize_if_meta_
+from fsdp.guards import check_not_wrapped_already
 
 __all__ = [
     "FlatParamMeta",
     "IgnoredStates",
     "ParamInfo",
+    "PendingTie",
     "SharedParamInfo",
     "check_no_parameters_added",
-    "claim_modules",
     "collect_owned",
     "group_params",
     "is_placeholder",
     "make_placeholder",
-    "mark_flattened",
     "own_parameters",
     "resharded_in_backward",
     "set_module_tensor",
     "split_tied",
     "unflatten_views",
-    "unsynced",
 ]
 
 
@@ -166,8 +161,10 @@ def unflatten_views(
 # While its unit is sharded, an original parameter's module attribute (``layer.weight``) is a
 # meta-device stand-in of the original shape, dtype and requires_grad. Metadata reads work; any
 # operation on values raises, naming the parameter: without this, ``nn.init.zeros_(layer.weight)``
-# or ``layer.weight.requires_grad_(False)`` between steps, or calling an inner module directly,
-# would act on the stand-in and be ignored silently.
+# or ``layer.weight.requires_grad_(False)`` between steps would act on the stand-in and be ignored
+# silently. A call of a module (the wrapped one or one below it) gathers its unit first, so the
+# stand-ins meet only operations outside any call (See [Note: calls past the wrapper] in
+# fsdp/_direct_call.py).
 _METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "layout", "grad", "grad_fn", "is_leaf"}
     | {"is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "names", "itemsize", "nbytes"}
@@ -217,10 +214,10 @@ class _ShardedPlaceholder(torch.Tensor):
         if torch._C._current_graph_task_id() >= 0:  # inside a backward: a forward recomputed too late
             raise RuntimeError(resharded_in_backward(f"{what} on {name!r}"))
         raise RuntimeError(
-            f"FullyShardedDataParallel: {what} on {name!r}, which is sharded: outside the wrapper's forward and "
-            "backward a wrapped module's parameters are meta-device stand-ins with no values, and the operation "
-            "would be ignored. Read or change full parameters inside `with model.summon_full_params():`; freeze "
-            "or initialize parameters before wrapping; call the wrapper, not its inner module (`model.module(x)`)"
+            f"FullyShardedDataParallel: {what} on {name!r}, which is sharded: outside a call of the wrapped module "
+            "(or of one of its submodules) and its backward, a wrapped module's parameters are meta-device "
+            "stand-ins with no values, and the operation would be ignored. Read or change full parameters inside "
+            "`with model.summon_full_params():`; freeze or initialize parameters before wrapping"
         )
 
     # A copy or a pickle of a wrapped module holds stand-ins again (the wrapper copies its shards):
@@ -395,36 +392,6 @@ def collect_owned(
     return owned, module_of, inner
 
 
-# [Note: parameters added after wrapping]
-# A wrapped module holds no parameters of its own while idle (the flat parameters replaced them),
-# so one found there was added after wrapping: nothing shards or reduces it, and each rank would
-# train it on its own gradients (a whole submodule attached at a path the module did not have is
-# torch's skip idiom instead, adopted as ignored first: see [Note: ignored modules]). The root
-# looks at its first forward, and again at a later forward only when some module of the process
-# registered a parameter or a submodule since its last look
-# (torch's global registration hooks bump a counter), so a step costs one integer comparison. A
-# model whose forward builds modules (``nn.GELU()`` in forward) moves the counter every step, and
-# pays a walk of the module tree per forward.
-_REGISTRATIONS = [0]
-_REGISTRATION_HOOKS: list[Any] = []
-
-
-def _count_registration(module: nn.Module, name: str, value: Any) -> None:
-    _REGISTRATIONS[0] += 1
-
-
-def registrations() -> int:
-    """How many parameters and submodules were registered in this process (counted from the first call)."""
-    if not _REGISTRATION_HOOKS:
-        from torch.nn.modules import module as module_lib
-
-        _REGISTRATION_HOOKS.append(
-            module_lib.register_module_parameter_registration_hook(_count_registration)
-        )
-        _REGISTRATION_HOOKS.append(module_lib.register_module_module_registration_hook(_count_registration))
-    return _REGISTRATIONS[0]
-
-
 def check_no_parameters_added(
     module: nn.Module,
     is_wrapper: Callable[[nn.Module], bool],
@@ -433,7 +400,8 @@ def check_no_parameters_added(
 ) -> None:
     """Between wrapping and the first forward a wrapper's modules hold no parameters of their own
     (its flat parameters replace them) but the ``ignored`` ones: one found there was added after
-    wrapping, and would train on this rank's gradients alone."""
+    wrapping, and would train on this rank's gradients alone. See [Note: parameters added after
+    wrapping] in fsdp/guards.py."""
     stack: list[tuple[nn.Module, str]] = [(module, "")]
     while stack:
         m, prefix = stack.pop()
@@ -486,125 +454,33 @@ def _unwrapped_modules(module: nn.Module, is_wrapper: Callable[[nn.Module], bool
     return out
 
 
+@dataclass(frozen=True)
+class PendingTie:
+    """A place in a wrapper's modules of a parameter that a wrapper outside it owns (a tie across wrappers
+    not resolved yet: see [Note: parameters shared across wrappers] in fsdp/shared_params.py)."""
+
+    fqn: str  # plain name relative to the wrapped module of the wrapper that records it
+    module: nn.Module  # the module that uses the parameter as ``module.<attr>``
+    attr: str
+    param: nn.Parameter  # the owner's original parameter (by identity)
+    owner: Callable[[], Any]  # weak reference to the wrapper that owned it when the tie was found
+
+
 def split_tied(
-    owned: list[tuple[str, nn.Parameter]], inner: list[tuple[str, Any]], others: Iterable[Any] = ()
+    owned: list[tuple[str, nn.Parameter]], taken: Collection[int]
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """Split ``owned`` into the parameters that are new to wrapping and those that an inner wrapper,
-    or any other live wrapper (``others``: a sibling wrapped before), already owns: tied (shared)
-    with a module of this one. Wrappers remember their original parameters, the meta ones of a
-    deferred initialization included, in ``_original_params``. See [Note: parameters shared across
-    wrappers] in ``fsdp/shared_params.py``."""
-    wrappers = [w for _, wrapper in inner for w in wrapper._wrappers()] + list(others)
-    taken = {id(p) for w in wrappers for p in w._original_params.values()}
+    """Split ``owned`` into the parameters that are new to wrapping and those that another wrapper
+    already owns (``taken``: the ids of the original parameters of every inner wrapper and every
+    other live wrapper, a sibling wrapped before), tied (shared) with a module of this one. See
+    [Note: parameters shared across wrappers] in ``fsdp/shared_params.py``."""
     kept = [(fqn, p) for fqn, p in owned if id(p) not in taken]
     return kept, [(fqn, p) for fqn, p in owned if id(p) in taken]
-
-
-# module -> weak reference to the live wrapper that flattened its parameters
-_FLATTENED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
-
-
-def claim_modules(wrapper: Any, modules: Iterable[nn.Module]) -> None:
-    """Record that ``wrapper`` flattened the parameters of ``modules`` (see :func:`own_parameters`)."""
-    ref = weakref.ref(wrapper)
-    for m in modules:
-        _FLATTENED_BY[m] = ref
-
-
-# [Note: optimizers over flattened parameters]
-# An optimizer built before wrapping holds the original parameters, which never get a gradient
-# again: torch optimizers skip them silently, and training does nothing. The originals are marked
-# when a wrapper flattens them (the meta ones a deferred initialization replaced included), and
-# one global step pre-hook refuses an optimizer holding one. It scans an optimizer's parameters
-# again only when something changed since its last scan: a wrapper flattened more parameters, or
-# the optimizer's parameter lists (their objects or lengths). The marks are weak references by
-# identity, not attributes, so a parameter pickled and loaded elsewhere does not carry one.
-_FLATTENED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> its name
-_MARKS = [0]  # how many times parameters were marked, process-wide
-_SCANNED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
-_HOOK: list[Any] = []
-
-
-# flat parameters of the roots now inside no_sync(), by root; empty nearly always
-_UNSYNCED: dict[int, frozenset[int]] = {}
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # A step writes host shards in place: under CPU offload on CUDA, wait for the side-stream copies
-    # that may still read them (a forward with grad enabled whose graph was dropped without a
-    # backward leaves its gathers' copies queued). Nothing to wait for after a backward, which
-    # drained the side stream; no instance exists off CUDA.
-    SideCopies.synchronize_all()
-    if _UNSYNCED:
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if any(held & flat for flat in _UNSYNCED.values()):
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() inside FullyShardedDataParallel.no_sync(): the gradients "
-                "accumulated there are not reduced yet and not in .grad, so the step would use stale ones. Step "
-                "after the backward outside no_sync()"
-            )
-    groups = optimizer.param_groups
-    key = (_MARKS[0], *(id(group["params"]) for group in groups), *(len(group["params"]) for group in groups))
-    if _SCANNED.get(optimizer) == key:
-        return
-    params = [p for group in groups for p in group["params"]]
-    stale = [_FLATTENED[p] for p in params if p in _FLATTENED]
-    if stale:
-        raise RuntimeError(
-            f"{type(optimizer).__name__} holds parameters that FullyShardedDataParallel flattened (e.g. {stale[:3]}); "
-            "they never get a gradient again. Build the optimizer after wrapping, from the wrapper's parameters(). "
-            "If it was built after wrapping, a module outside the wrapper still uses one of them: a parameter tied "
-            "(shared) with a wrapped module, such as an output layer tied to a wrapped embedding. Wrap a module that "
-            "contains every user of the tied parameter"
-        )
-    _SCANNED[optimizer] = key
-
-
-def _ensure_hook() -> None:
-    """Register the process-wide optimizer step pre-hook once."""
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
-
-
-def mark_flattened(owned: Iterable[tuple[str, nn.Parameter]]) -> None:
-    """Mark the original parameters a wrapper flattened. See [Note: optimizers over flattened parameters]."""
-    for fqn, p in owned:
-        _FLATTENED[p] = fqn
-    _MARKS[0] += 1
-    _ensure_hook()
-
-
-@contextlib.contextmanager
-def unsynced(root: Any, flat_params: Iterable[torch.Tensor]) -> Iterator[None]:
-    """While inside, an optimizer step over ``flat_params`` is refused (``root.no_sync()``)."""
-    key = id(root)
-    previous = _UNSYNCED.get(key)
-    _UNSYNCED[key] = frozenset(id(p) for p in flat_params)
-    _ensure_hook()
-    try:
-        yield
-    finally:
-        if previous is None:
-            del _UNSYNCED[key]
-        else:
-            _UNSYNCED[key] = previous
-
-
-def _check_not_wrapped_already(module_of: dict[str, nn.Module]) -> None:
-    for name, m in module_of.items():
-        ref = _FLATTENED_BY.get(m)
-        if ref is not None and ref() is not None:
-            raise ValueError(
-                f"FullyShardedDataParallel: module {name or '<the wrapped module>'!r} ({type(m).__name__}) is already "
-                "wrapped by another FullyShardedDataParallel, which holds its parameters; wrap each module once "
-                "(nest wrappers by wrapping the outer module around the inner wrapper, or build the model again)"
-            )
 
 
 def own_parameters(
     module: nn.Module,
     is_wrapper: Callable[[nn.Module], bool],
-    others: Iterable[Any],
+    taken: Collection[int],
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None,
     ignored: IgnoredStates = NOTHING_IGNORED,
@@ -616,14 +492,14 @@ def own_parameters(
     list[tuple[str, nn.Parameter]],
 ]:
     """What a new wrapper of ``module`` owns: :func:`collect_owned` less the parameters other wrappers
-    own (``others``: the live wrappers), after materializing a unit built on the meta device on
-    ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
+    own (``taken``: the ids of their original parameters), after materializing a unit built on the
+    meta device on ``device``. Also returns the meta parameters that materialization replaced (empty if none), and
     the names in this wrapper's modules of parameters that another wrapper owns (tied across wrappers,
     :func:`split_tied`), each with the owner's original parameter. Ignored modules are not
     materialized (an ignored parameter of a materialized module is, like torch's)."""
     owned, module_of, inner = collect_owned(module, is_wrapper, ignored)
-    _check_not_wrapped_already(module_of)
-    owned, tied = split_tied(owned, inner, others)
+    check_not_wrapped_already(module_of)
+    owned, tied = split_tied(owned, taken)
     _check_not_tied_to_ignored([*owned, *tied], ignored)
     replaced = owned if materialize_if_meta_(module, owned, module_of, device, param_init_fn) else []
     if replaced:  # (a tied name now holds a materialized stand-in: it stays the owner's parameter)

@@ -30,16 +30,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function as _record_function
 
-from fsdp import state_dict as sd_impl
 from fsdp._compile import queue_end_of_backward, run_eagerly_under_compile
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, built_torch_style, is_expert
+from fsdp._direct_call import DirectCallMethods, OpenForward
+from fsdp._fairscale_attrs import FairscaleAttributes, FlattenParamsLevel, is_expert
 from fsdp._module_ops import ModuleOps
 from fsdp._state_methods import StateDictMethods
 from fsdp._stats_methods import StatsMethods
 from fsdp._summon_methods import SummonMethods
 from fsdp._torch_compat import (
-    TorchOptions,
     adopt_attached,
     check_full_prec_in_eval,
     full_precision_in_eval,
@@ -63,40 +62,46 @@ from fsdp.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    TorchOptions,
     TrainingState,
     check_transition,
     default_gradient_predivide_factor,
 )
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
 from fsdp.clip_grad import clip_grad_norm_
-from fsdp.collectives import CommStats, broadcast_from_first_rank
+from fsdp.collectives import CommStats, broadcast_from_first_rank, set_activity
 from fsdp.consistency import (
+    BACKWARD,
+    FORWARD,
     WRAPPED,
+    agree_on_construction,
+    agree_on_step,
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
+    collective,
     wrapper_path,
+    wrapper_paths,
 )
 from fsdp.flat_param import (
     IgnoredStates,
+    PendingTie,
     attached_after_wrapping,
     check_no_parameters_added,
-    claim_modules,
     collect_owned,
     group_params,
-    mark_flattened,
     own_parameters,
-    registrations,
     resharded_in_backward,
-    unsynced,
 )
 from fsdp.grad_hooks import GraphToken, OutputHook
+from fsdp.guards import claim_modules, mark_flattened, registrations, unsynced
 from fsdp.handle import FlatParamHandle, MemoryStats, free_unused_prefetches
 from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers, resolve_precision
 from fsdp.nest import visit_tensors
 from fsdp.no_shard_buckets import finish_no_shard_buckets, make_no_shard_bucketer
 from fsdp.schedule import Scheduler
-from fsdp.shared_params import PendingTie, adopt_tied, check_no_pending_ties
+from fsdp.shared_params import adopt_tied, check_no_pending_ties
+from fsdp.state_layout import UnitSpec, describe
 from fsdp.topology import (
     checked_device,
     choose_compute_device,
@@ -137,6 +142,7 @@ class _RootContext:
     scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
     in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
     registrations: int  # the process's registration count at the root's last look at its modules
+    fingerprint: int  # digest of the wrapper tree, agreed at lazy init; every step's handshake carries it
 
     def __init__(self, device: DeviceHandle, wrappers: list[FullyShardedDataParallel]) -> None:
         self.device = device
@@ -153,6 +159,7 @@ class _RootContext:
         self.scheduler = Scheduler(wrappers[0].fsdp_config.schedule, device)
         self.in_flight = collections.deque()
         self.registrations = -1
+        self.fingerprint = 0
 
     @property
     def wrappers(self) -> list[FullyShardedDataParallel]:
@@ -170,7 +177,14 @@ class _RootContext:
 
 
 class FullyShardedDataParallel(
-    FairscaleAttributes, SummonMethods, StateDictMethods, StatsMethods, TorchFSDPMethods, ModuleOps, nn.Module
+    FairscaleAttributes,
+    SummonMethods,
+    StateDictMethods,
+    StatsMethods,
+    TorchFSDPMethods,
+    ModuleOps,
+    DirectCallMethods,
+    nn.Module,
 ):
     """Shard a module's parameters over a process group; gather them just in time for compute.
 
@@ -217,7 +231,7 @@ class FullyShardedDataParallel(
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
     _pending_ties: list[PendingTie]  # places of parameters owned by a wrapper outside this one
-    _torch_options: TorchOptions  # torch FSDP1's view of the options (its attributes, full precision in eval)
+    _torch_options: TorchOptions  # built torch FSDP1's way or fairscale's; torch's options as given
     _paths_at_wrap: frozenset[
         str
     ]  # the wrapped module's submodule paths at construction (ignored ones left out)
@@ -229,6 +243,7 @@ class FullyShardedDataParallel(
         StateDictMethods.sharded_optim_state_dict, TorchFSDPMethods._sharded_optim_state_dict_any
     )
     _tstart: float  # time.time() at construction, or at the last _print_r0(restart=True)
+    _path: str  # the path under the root, for messages (set at the root's lazy init)
 
     def __init__(
         self,
@@ -314,6 +329,12 @@ class FullyShardedDataParallel(
         compute_device = checked_device(compute_device, "compute_device")
         state_dict_device = checked_device(state_dict_device, "state_dict_device", allow_meta=True)
         strategy, reshard_after_forward = resolve_strategy(sharding_strategy, reshard_after_forward)
+        agree_on_construction(module, {  # before any group is made. See [Note: agreement before communication]
+            **options, "sharding_strategy": strategy, "reshard_after_forward": reshard_after_forward,
+            "mixed_precision": mixed_precision, "flatten_parameters": flatten_parameters,
+            "compute_device": compute_device, "move_params_to_cpu": params_to_cpu,
+            "backward_prefetch": (prefetch_pre, prefetch_post),
+        })  # fmt: skip
         groups = resolve_groups(strategy, process_group)
         rs_group = groups.shard
         if groups.shard_size > 1 or strategy is not ShardingStrategy.NO_SHARD:
@@ -370,19 +391,18 @@ class FullyShardedDataParallel(
         if auto_wrap_policy is not None:  # torch FSDP's form: the same options for every wrapper built
             # Only now, once every option and every parameter's dtype passed the checks above (those of
             # any child wrapper too): a call that fails leaves the module as it was, not partly wrapped.
-            existing = {id(w) for _, top in inner for w in top._wrappers()}
             wrap_children_with_policy(
                 module, auto_wrap_policy, FullyShardedDataParallel, options, ignored
             )  # (not a subclass's)
             _, _, inner = collect_owned(module, is_wrapper, ignored)
-            for w in (w for _, top in inner for w in top._wrappers() if id(w) not in existing):
-                w._torch_style = True  # (built by torch's policy argument: torch's, like the root)
         nested = [w for _, top in inner for w in top._wrappers()]
         for w in nested:  # a param_init_fn calling to_empty(recurse=True) must not wipe inner shards
             w._frozen = True
+        # the original parameters other wrappers own, inside this one or alive elsewhere (a tie across wrappers)
+        taken = {id(p) for w in [*nested, *_LIVE] for p in w._original_params.values()}
         try:
             owned, module_of, inner, before, tied = own_parameters(
-                module, is_wrapper, _LIVE, target, param_init_fn, ignored
+                module, is_wrapper, taken, target, param_init_fn, ignored
             )
         finally:
             for w in nested:
@@ -403,7 +423,6 @@ class FullyShardedDataParallel(
             broadcast_from_first_rank([p for _, p in owned], groups.dp, device, "parameters")
         precision = config.precision
         self._fsdp_wrapped_module = module
-        self._torch_style = built_torch_style(options)
         self._outer = None
         # See [Note: parameters shared across wrappers] in fsdp/shared_params.py (last before flattening:
         # it rebuilds inner wrappers, so every check that can refuse this wrapper has passed)
@@ -420,7 +439,7 @@ class FullyShardedDataParallel(
         # Original dtypes of the owned buffers: the state dict restores them (fp32 under mixed precision).
         self._ignored = ignored
         self._paths_at_wrap = frozenset(module_of)
-        self._torch_options = torch_options_of(options, offload.params_to_cpu)
+        self._torch_options = torch_options_of(options)
         self._buffer_dtypes = move_owned_buffers(
             module, device, precision.buffer_dtype, lambda m: is_wrapper(m) or ignored.has_module(m)
         )
@@ -433,6 +452,7 @@ class FullyShardedDataParallel(
         self._is_root = None
         self._reshard_after_forward = reshard_after_forward
         self._pre_backward_done = False
+        self._hook_direct_calls(is_wrapper)  # See [Note: calls past the wrapper] in fsdp/_direct_call.py
         for _, w in inner:  # last: a constructor that raised leaves its inner wrappers free
             w._outer = weakref.ref(self)  # (before any forward: checkpoints refuse an inner wrapper)
         _LIVE.add(self)
@@ -465,7 +485,7 @@ class FullyShardedDataParallel(
     @property
     def module(self) -> nn.Module:
         """The wrapped module (built torch's way), or fairscale's level above it (``FlattenParamsLevel``)."""
-        if self._torch_style:
+        if self._torch_options.torch_style:
             return self._fsdp_wrapped_module
         return cast(nn.Module, FlattenParamsLevel(self._fsdp_wrapped_module))
 
@@ -594,7 +614,9 @@ class FullyShardedDataParallel(
         self._check_modules(wrappers, ctx)
         cap = int(self.fsdp_config.comm.bucket_cap_mb * 2**20)
         rs_bucketer = ReduceScatterBucketer(cap, ctx.stats) if cap > 0 else None
+        paths = wrapper_paths(self, wrappers)
         for w in wrappers:
+            w._path = paths[id(w)]
             w._is_root = w is self
             w._own_ctx = ctx if w._is_root else None
             w._ctx_ref = None if w._is_root else weakref.ref(ctx)
@@ -605,7 +627,7 @@ class FullyShardedDataParallel(
                 h.rs_bucketer = rs_bucketer
         sharding = self.fsdp_config.sharding
         self._reshard_after_forward = sharding.reshard_after_forward and not sharding.disable_reshard_on_root
-        check_same_wrappers_on_all_ranks(self, wrappers)
+        ctx.fingerprint = check_same_wrappers_on_all_ranks(self, wrappers)
         check_hybrid_grids(self, wrappers)
         check_full_prec_in_eval(wrappers)
         _make_bucketer(self, ctx)
@@ -650,11 +672,29 @@ class FullyShardedDataParallel(
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return self._forward_in_summon(*args, **kwargs)
         self._lazy_init()
         if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             return self._recompute_forward(*args, **kwargs)
+        args, kwargs, opened = self._begin_forward(args, kwargs)
+        try:
+            outputs = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self._end_forward(opened)
+        return self._after_forward(outputs, opened.token)
+
+    # (plain methods, not a context manager: under torch.compile the compiler would trace contextlib's
+    # frames called from this skipped file)
+    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any, OpenForward]:
+        """Gather for a forward of the wrapped module; return the cast inputs and what
+        :meth:`_end_forward` closes. Also run by a call past the wrapper (See [Note: calls past the
+        wrapper] in fsdp/_direct_call.py)."""
         self.assert_state(TrainingState.IDLE)
         assert self._ctx is not None
+        if self._is_root:  # See [Note: agreement before communication]
+            agree_on_step(self, FORWARD)
+        set_activity("the forward", self._path)
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
         full = full_precision_in_eval(
@@ -667,41 +707,56 @@ class FullyShardedDataParallel(
             scheduler.start_iteration()
         # lives as long as this forward's graph: see [Note: gradient accumulators] in fsdp/grad_hooks.py
         token = GraphToken() if grad_enabled else None
-        with self._state(TrainingState.FORWARD), record_function("FSDP::forward"):
-            try:
-                with record_function("FSDP::all_gather"):
-                    scheduler.throttle()
-                    for h in self.handles:
-                        h.prefetch(full)
-                    scheduler.on_forward(self)  # See [Note: prefetch]
-                    hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
-                    for h in self.handles:
-                        h.unshard(full)
-                        h.use_full_views(as_parameters=False, before_concat=hook)
-                        if token is not None:
-                            h.accumulators.note(token)
-                if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
-                    with buffers_in_dtypes(self.module, self._buffer_dtypes):
-                        outputs = self._fsdp_wrapped_module(*args, **kwargs)
-                else:
-                    outputs = self._fsdp_wrapped_module(*args, **kwargs)
-            finally:
-                # Under no_grad no backward follows: nothing is worth keeping. Inside
-                # no_sync(keep_full_params=True) the full parameters stay until the next forward.
-                # See [Note: no_sync].
-                keep_full = grad_enabled and (
-                    not self._reshard_after_forward or (not self._ctx.sync and self._ctx.keep_full)
-                )
+        opened = OpenForward(token, record_function("FSDP::forward"))
+        self.training_state = TrainingState.FORWARD
+        opened.range.__enter__()
+        try:
+            with record_function("FSDP::all_gather"):
+                scheduler.throttle()
                 for h in self.handles:
-                    h.reshard(free_full=not keep_full)
-                if not keep_full and any(h.gathers for h in self.handles):
-                    scheduler.freed()  # See [Note: limit_all_gathers]
-                if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
-                    free_unused_prefetches([h for w in self._ctx.wrappers for h in w.handles])
-                    SideCopies.synchronize_all()  # no backward follows to wait for the host copies
-            if grad_enabled:
-                self._register_pre_backward_hooks(outputs, token)
-        if precision.clear_autocast_cache:
+                    h.prefetch(full)
+                scheduler.on_forward(self)  # See [Note: prefetch]
+                hook = self._ctx.finish_reductions if grad_enabled and self._ctx.sync else None
+                for h in self.handles:
+                    h.unshard(full)
+                    h.use_full_views(as_parameters=False, before_concat=hook)
+                    if token is not None:
+                        h.accumulators.note(token)
+            if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
+                opened.buffers = buffers_in_dtypes(self.module, self._buffer_dtypes)
+                opened.buffers.__enter__()
+        except BaseException:
+            self._end_forward(opened)
+            raise
+        return args, kwargs, opened
+
+    def _end_forward(self, opened: OpenForward) -> None:
+        """Reshard after a forward (also one that raised) and return to IDLE."""
+        ctx = self._ctx
+        assert ctx is not None
+        try:
+            if opened.buffers is not None:
+                opened.buffers.__exit__(None, None, None)
+            # Under no_grad no backward follows: nothing is worth keeping. Inside
+            # no_sync(keep_full_params=True) the full parameters stay until the next forward.
+            # See [Note: no_sync].
+            grad_enabled = opened.token is not None
+            keep_full = grad_enabled and (not self._reshard_after_forward or (not ctx.sync and ctx.keep_full))
+            for h in self.handles:
+                h.reshard(free_full=not keep_full)
+            if not keep_full and any(h.gathers for h in self.handles):
+                ctx.scheduler.freed()  # See [Note: limit_all_gathers]
+            if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)
+                free_unused_prefetches([h for w in ctx.wrappers for h in w.handles])
+                SideCopies.synchronize_all()  # no backward follows to wait for the host copies
+        finally:
+            self.training_state = TrainingState.IDLE
+            opened.range.__exit__(None, None, None)
+
+    def _after_forward(self, outputs: Any, token: GraphToken | None) -> Any:
+        if token is not None:
+            self._register_pre_backward_hooks(outputs, token)
+        if self.fsdp_config.precision.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
 
@@ -774,6 +829,7 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         if not ctx.callback_queued:
+            agree_on_step(ctx.wrappers[0], BACKWARD)  # (the first hook of this backward)
             ctx.callback_queued = True
             root = ctx.wrappers[0]
             queue_end_of_backward(root._finalize_backward, "FullyShardedDataParallel")
@@ -784,6 +840,7 @@ class FullyShardedDataParallel(
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
         self.training_state = TrainingState.BACKWARD_PRE
         self._pre_backward_done = True
+        set_activity("the backward", self._path)
         # Views with autograd history, for a forward recomputed inside this backward (activation
         # checkpointing inside the wrapper reads the module's attributes again).
         with torch.enable_grad(), record_function("FSDP::pre_backward"):
@@ -825,6 +882,7 @@ class FullyShardedDataParallel(
                 )
             )
         self.training_state = TrainingState.BACKWARD_POST
+        set_activity("the gradient reduction", self._path)
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         with record_function("FSDP::post_backward"):
             handle.reduce_grad(
@@ -856,12 +914,13 @@ class FullyShardedDataParallel(
         ctx = self._ctx
         assert ctx is not None
         ctx.callback_queued = False
+        set_activity("the end of backward")
         try:
             if ctx.sync:  # inside no_sync nothing was reduced, and nothing may be communicated
                 if ctx.bucketer is not None:
                     # first, so a rank that skipped a unit sends its bucket too (see the function)
                     finish_no_shard_buckets(ctx.bucketer, ctx.bucket_index, ctx.wrappers)
-                check_same_reductions_on_all_ranks(self, ctx.wrappers)
+                check_same_reductions_on_all_ranks(self, ctx.wrappers, ctx.stats)
             handles = [h for w in ctx.wrappers for h in w.handles]
             for h in handles:  # queue every host copy (offload on CUDA) before waiting for any
                 h.finalize_gradient(asynchronous=True)
@@ -942,6 +1001,7 @@ class FullyShardedDataParallel(
         ``keep_full_params=True``."""
         return ctx.keep_full or not self._reshard_after_forward
 
+    @collective("clip_grad_norm_()", agreed=("max_norm", "norm_type"))
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; return that norm.
 
@@ -992,7 +1052,7 @@ class FullyShardedDataParallel(
             w._adopt_attached(w._fsdp_wrapped_module.__class__.__name__)
         self._require_groups("a state dict or optimizer state")
         units = {
-            id(w): sd_impl.UnitSpec(
+            id(w): UnitSpec(
                 w._fsdp_wrapped_module,
                 tuple(w.handles),
                 w._module_param_order,
@@ -1005,9 +1065,7 @@ class FullyShardedDataParallel(
         }
         comm = self.fsdp_config.comm
         assert comm.dp_group is not None
-        return sd_impl.describe(
-            root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device
-        )
+        return describe(root, units, comm.dp_group, comm.dp_world_size, comm.dp_rank, self.compute_device)
 
 
 FSDP = FullyShardedDataParallel

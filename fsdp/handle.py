@@ -60,9 +60,9 @@ IDLE; UNSYNCED stays until a backward outside ``no_sync`` reduces the sum. IDLE*
 raised before its end (ranks that disagree on what they reduced) drops what it left in flight. A
 handle counts as reduced in this backward (``reduced_this_backward``: the end-of-backward check
 compares it across ranks, and the post-backward refuses a part of the gradient that comes after
-it) in REDUCING, BUCKETED, COPYING and REDUCED. The stash of [Note: gradient stash] is apart from the state: the pre-backward
-makes it, and it is added to the reduced shard on the way to REDUCED, or put back on ``.grad`` at
-the end of a backward that brought no reduction (IDLE, UNSYNCED).
+it) in REDUCING, BUCKETED, COPYING and REDUCED. The stash of [Note: gradient stash] is apart from
+the state: the pre-backward makes it, and it is added to the reduced shard on the way to REDUCED,
+or put back on ``.grad`` at the end of a backward that brought no reduction (IDLE, UNSYNCED).
 
 [Note: finishing reductions early]
 A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
@@ -413,11 +413,6 @@ class FlatParamHandle:
     def sharded_data(self) -> torch.Tensor:
         """This rank's shard (what ``flat_param.data`` is between steps)."""
         return self._shard
-
-    def full_data(self) -> torch.Tensor:
-        """The unpadded full flat tensor. Only valid while UNSHARDED."""
-        assert self.state is MemoryState.UNSHARDED, "full data read while sharded"
-        return self._active[: self.meta.numel]
 
     def unshard_bytes(self) -> int:
         """The bytes this handle's unshard buffers hold now (what :class:`MemoryStats` counts)."""

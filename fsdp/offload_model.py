@@ -25,10 +25,10 @@ from torch import nn
 
 from fsdp._compile import run_eagerly_under_compile
 from fsdp._device import DeviceHandle, default_compute_device, device_available
-from fsdp._offload_engine import OffloadConfig, _Engine, _SliceFunction
+from fsdp._offload_engine import OffloadModelConfig, _Engine, _SliceFunction
 from fsdp._offload_slice import Residency, _Slice
 
-__all__ = ["OffloadConfig", "OffloadModel", "Residency", "split_layers"]
+__all__ = ["OffloadModel", "OffloadModelConfig", "Residency", "split_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class OffloadModel(nn.Module):
     """
 
     module: nn.Sequential  # the user's model, its tensors on offload_device
-    config: OffloadConfig
+    config: OffloadModelConfig
     _engine: _Engine
 
     def __init__(
@@ -171,7 +171,7 @@ class OffloadModel(nn.Module):
             )
         if len(model) == 0:
             raise ValueError("OffloadModel got an empty nn.Sequential; give it at least one layer")
-        config = OffloadConfig(
+        config = OffloadModelConfig(
             device=_as_device(device, "device"),
             offload_device=_as_device(offload_device, "offload_device"),
             num_slices=num_slices,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from fsdp._device import default_compute_device
 from fsdp.collectives import all_reduce
+from fsdp.consistency import SCALER_CHECK, agree_on_entry
 
 __all__ = ["ShardedGradScaler"]
 
@@ -97,6 +98,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             total += value.to(total.device)
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if group is not None and dist.get_world_size(group) > 1:
+            agree_on_entry(group, SCALER_CHECK)  # See [Note: agreement before communication]
             all_reduce(total, group, op=dist.ReduceOp.MAX).wait()  # read only after the wait
         for device, value in found.items():
             value.copy_(total.to(device))

@@ -1,5 +1,5 @@
 """Parameters shared (tied) across wrappers: the innermost wrapper that contains every module using
-a tied parameter owns it. Never imports the wrapper (wrappers are passed in).
+a tied parameter owns it. Never imports the wrapper (wrappers are passed in, typed as ``Wrapper``).
 
 [Note: parameters shared across wrappers]
 A parameter is tied across wrappers when modules of two wrappers hold the same ``nn.Parameter``
@@ -34,41 +34,24 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp._wrapper_protocol import Wrapper
 from fsdp.consistency import plain_name
-from fsdp.flat_param import (
-    collect_owned,
-    is_placeholder,
-    make_placeholder,
-    mark_flattened,
-    set_module_tensor,
-)
+from fsdp.flat_param import PendingTie, collect_owned, is_placeholder, make_placeholder, set_module_tensor
+from fsdp.guards import mark_flattened
 from fsdp.state_layout import gather_full_flat
 
-__all__ = ["PendingTie", "adopt_tied", "check_no_pending_ties", "check_shared_param"]
-
-
-@dataclass(frozen=True)
-class PendingTie:
-    """A place in a wrapper's modules of a parameter that a wrapper outside it owns."""
-
-    fqn: str  # plain name relative to the wrapped module of the wrapper that records it
-    module: nn.Module  # the module that uses the parameter as ``module.<attr>``
-    attr: str
-    param: nn.Parameter  # the owner's original parameter (by identity)
-    owner: Callable[[], Any]  # weak reference to the wrapper that owned it when the tie was found
+__all__ = ["adopt_tied", "check_no_pending_ties", "check_shared_param"]
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _owner(param: nn.Parameter, wrappers: Iterable[Any]) -> Any:
+def _owner(param: nn.Parameter, wrappers: Iterable[Wrapper]) -> Wrapper | None:
     """The wrapper among ``wrappers`` that owns ``param`` (by its original parameter), or None."""
     return next((w for w in wrappers if w._original_params.get(id(param)) is param), None)
 
@@ -79,7 +62,7 @@ def _stand_in(name: str, param: torch.Tensor) -> torch.Tensor:
 
 
 def _release(
-    owner: Any, param: nn.Parameter, path: str, is_wrapper: Callable[[nn.Module], bool]
+    owner: Wrapper, param: nn.Parameter, path: str, is_wrapper: Callable[[nn.Module], bool]
 ) -> tuple[torch.Tensor, list[tuple[str, nn.Module, str]]]:
     """Take ``param`` out of ``owner`` (its wrapper at ``path``): gather every flat parameter of the
     owner (collective over its group), put the other parameters back in its modules and flatten them
@@ -123,12 +106,12 @@ def _release(
 
 
 def adopt_tied(
-    wrapper: Any,
+    wrapper: Wrapper,
     module: nn.Module,
     tied: Sequence[tuple[str, nn.Parameter]],
     module_of: dict[str, nn.Module],
-    nested: Sequence[Any],
-    live: Iterable[Any],
+    nested: Sequence[Wrapper],
+    live: Iterable[Wrapper],
     is_wrapper: Callable[[nn.Module], bool],
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]], dict[nn.Module, list[str]]]:
     """Resolve the ties of a wrapper being built around ``module``. See [Note: parameters shared
@@ -186,7 +169,7 @@ def adopt_tied(
     return adopted, originals, orders
 
 
-def check_no_pending_ties(wrappers: Sequence[Any], live: Iterable[Any]) -> None:
+def check_no_pending_ties(wrappers: Sequence[Wrapper], live: Iterable[Wrapper]) -> None:
     """Refuse a tree (``wrappers``, root first) that uses a parameter owned by a wrapper outside it
     (see [Note: parameters shared across wrappers]): nothing would gather it there."""
     for w in wrappers:
@@ -205,7 +188,7 @@ def check_no_pending_ties(wrappers: Sequence[Any], live: Iterable[Any]) -> None:
             )
 
 
-def check_shared_param(wrapper: Any, param: torch.Tensor) -> None:
+def check_shared_param(wrapper: Wrapper, param: torch.Tensor) -> None:
     """fairscale's ``append_shared_param(p)``: ``param`` (another wrapper's parameter, or the
     placeholder its module shows for it) must be one that this wrapper's modules use. Ties are found
     without the call, so this only checks."""

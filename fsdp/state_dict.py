@@ -3,9 +3,10 @@
 The wrapper describes itself once as a :class:`~fsdp.state_layout.Layout` (``describe`` in
 ``fsdp/state_layout.py``: every wrapper's flat parameters, every original parameter, every
 persistent buffer, the unwrapped model's ``state_dict()`` keys). Everything here works on that
-description and never imports the wrapper.
+description and never imports the wrapper (loading a full state dict acts on the wrappers it is
+given, as ``fsdp._wrapper_protocol.Wrapper``).
 
-- **local**: this rank's flat shards; in ``fsdp/state_local.py`` (re-exported here).
+- **local**: this rank's flat shards; in ``fsdp/state_local.py``.
 - **sharded**: one entry per original parameter for ``torch.distributed.checkpoint`` (DCP), which
   reshards it from any world size to any other. See [Note: sharded state dict layout].
 
@@ -42,69 +43,34 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fsdp._wrapper_protocol import Wrapper, as_module
 from fsdp.api import TrainingState
 from fsdp.consistency import CHECKPOINT_WRAPPED, WRAPPED, is_activation_wrapper, plain_name
-
-# The layout and its helpers moved to fsdp/state_layout.py; they stay importable from here (in
-# __all__), since fully_sharded.py reaches UnitSpec and describe through this module.
 from fsdp.state_layout import (
-    BufferSlot,
     Layout,
-    ParamSlot,
-    Unit,
-    UnitSpec,
     agree,
-    describe,
     digest_of,
     empty_sharded,
     gather_full_flat,
     is_dtensor,
-    row_range,
     shard_writes,
     to_sharded,
     value_kind,
     write_shard_,
 )
-from fsdp.state_local import (
-    LOCAL_STATE_KEY,
-    consolidate_shard_weights,
-    load_local_state_dict,
-    local_metadata_dict,
-    local_state_dict,
-)
 
 __all__ = [
-    "LOCAL_STATE_KEY",
-    "BufferSlot",
-    "Layout",
-    "ParamSlot",
     "ShardedLoadPlan",
-    "Unit",
-    "UnitSpec",
-    "agree",
     "apply_sharded_state_dict",
     "check_sharded_state_dict",
-    "consolidate_shard_weights",
-    "describe",
-    "digest_of",
-    "empty_sharded",
-    "gather_full_flat",
-    "load_local_state_dict",
     "load_sharded_state_dict",
-    "local_metadata_dict",
-    "local_state_dict",
     "module_names",
     "own_call",
     "own_call_running",
     "own_full_values",
-    "row_range",
-    "shard_writes",
     "sharded_state_dict",
     "sharded_state_dict_template",
     "skip_children_once",
-    "to_sharded",
-    "value_kind",
-    "write_shard_",
 ]
 
 log = logging.getLogger(__name__)
@@ -379,8 +345,8 @@ def own_full_values(
 
 
 def load_full_state_dict(
-    root: Any,
-    wrappers: Sequence[Any],
+    root: Wrapper,
+    wrappers: Sequence[Wrapper],
     layout: Layout,
     state_dict: Mapping[str, Any],
     strict: bool,
@@ -415,13 +381,13 @@ def load_full_state_dict(
         "state_dict_on_rank_0_only=True is empty on the other ranks: load the saved file on every rank)",
         digest_of(structure),
     )
-    if _user_code_above_a_unit(root, wrappers):
+    if _user_code_above_a_unit(as_module(root), wrappers):
         with root.summon_full_params(recurse=True):
             return _load_renamed(root, state_dict, strict, errors_out, prefix)
-    shown: list[Any] = []
-    visited: list[Any] = []
+    shown: list[Wrapper] = []
+    visited: list[Wrapper] = []
 
-    def show(w: Any) -> Callable[..., None]:
+    def show(w: Wrapper) -> Callable[..., None]:
         def pre_hook(*args: Any) -> None:
             w.training_state = TrainingState.SUMMON_FULL_PARAMS
             visited.append(w)
@@ -430,7 +396,7 @@ def load_full_state_dict(
 
         return pre_hook
 
-    def hide(w: Any, *args: Any) -> None:
+    def hide(w: Wrapper, *args: Any) -> None:
         if w in shown:  # a wrapper's post-hook runs after its whole subtree
             shown.remove(w)
             w._hide_full_params(write_back=True)
@@ -438,9 +404,11 @@ def load_full_state_dict(
 
     hooks = []
     for w in wrappers:
-        first = w._register_load_state_dict_pre_hook(show(w))
-        w._load_state_dict_pre_hooks.move_to_end(first.id, last=False)  # before the user's own
-        hooks += [first, w.register_load_state_dict_post_hook(hide)]
+        module = as_module(w)
+        first = module._register_load_state_dict_pre_hook(show(w))  # type: ignore[no-untyped-call]
+        pre_hooks: Any = module._load_state_dict_pre_hooks  # (an OrderedDict)
+        pre_hooks.move_to_end(first.id, last=False)  # before the user's own
+        hooks += [first, module.register_load_state_dict_post_hook(hide)]  # type: ignore[no-untyped-call]
     try:
         return _load_renamed(root, state_dict, strict, errors_out, prefix)
     except BaseException:
@@ -460,7 +428,7 @@ def load_full_state_dict(
             hide(w)
 
 
-def _user_code_above_a_unit(root: nn.Module, wrappers: Sequence[Any]) -> bool:
+def _user_code_above_a_unit(root: nn.Module, wrappers: Sequence[Wrapper]) -> bool:
     """Whether a module that contains an inner wrapper has load hooks or its own ``_load_from_state_dict``."""
     is_wrapper = {id(w) for w in wrappers}
     modules = dict(root.named_modules(remove_duplicate=False))
@@ -496,9 +464,10 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
 
 
 def _load_renamed(
-    root: Any, state_dict: Mapping[str, Any], strict: bool, errors_out: list[str] | None, prefix: str
+    root: Wrapper, state_dict: Mapping[str, Any], strict: bool, errors_out: list[str] | None, prefix: str
 ) -> NamedTuple:
-    names = module_names(root)
+    module = as_module(root)
+    names = module_names(module)
     to_internal = {state: load for _, state, load in names}
     to_state = {name: state for name, state, _ in names}
 
@@ -521,10 +490,12 @@ def _load_renamed(
     if metadata is not None:
         renamed._metadata = OrderedDict((to_internal.get(k, k), v) for k, v in metadata.items())  # type: ignore[attr-defined]
     keys: list[Any] = []  # the root's incompatible keys, as torch hands them to its post-hooks
-    capture = root.register_load_state_dict_post_hook(lambda module, incompatible: keys.append(incompatible))
+    capture = module.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+        lambda _, incompatible: keys.append(incompatible)
+    )
     errors: list[str] = []
     try:
-        result = nn.Module.load_state_dict(root, renamed, strict=False)
+        result = nn.Module.load_state_dict(module, renamed, strict=False)
     except RuntimeError as e:  # size mismatches: torch names the internal keys
         text = str(e)
         if "Error(s) in loading state_dict" not in text:

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -57,11 +58,14 @@ __all__ = [
     "enable_wrap",
     "is_torch_style",
     "lambda_auto_wrap_policy",
+    "no_split_modules_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "wrap",
     "wrap_children",
 ]
+
+log = logging.getLogger(__name__)
 
 # policy(module=..., recurse=..., unwrapped_params=..., module_is_root=...) -> bool (see module docstring)
 AutoWrapPolicy = Callable[..., bool]
@@ -374,6 +378,123 @@ def is_torch_style(policy: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return "nonwrapped_numel" in names and "unwrapped_params" not in names
+
+
+class _ClassNamePolicy:
+    """Wrap every module whose class is named (or given) in a set of blocks, except one that shares a
+    parameter with a module outside it; see :func:`no_split_modules_auto_wrap_policy`."""
+
+    names: frozenset[str]  # class names (``Block``) or qualified names (``package.module.Block``)
+    classes: tuple[type[nn.Module], ...]  # classes given as such
+    _tied_out: set[int]  # ids of the matching modules under the last root whose parameters are tied outside
+
+    def __init__(self, names: frozenset[str], classes: tuple[type[nn.Module], ...]) -> None:
+        self.names, self.classes = names, classes
+        self._tied_out = set()
+
+    def matches(self, module: nn.Module) -> bool:
+        cls = type(module)
+        return (
+            cls.__name__ in self.names
+            or f"{cls.__module__}.{cls.__qualname__}" in self.names
+            or isinstance(module, self.classes)
+        )
+
+    def __call__(
+        self, module: nn.Module, recurse: bool, unwrapped_params: int = 0, module_is_root: bool = False
+    ) -> bool:
+        if recurse:
+            if module_is_root:  # the walk starts here: look at the whole tree once
+                self._tied_out = self._check_tree(module)
+            return True
+        return self.matches(module) and id(module) not in self._tied_out
+
+    def _check_tree(self, root: nn.Module) -> set[int]:
+        """The matching modules whose parameters are tied to a module outside them (left to the parent's
+        wrapper, which would adopt the tied parameter anyway); refuses a tree where nothing matches."""
+        found = [m for m in root.modules() if self.matches(m)]
+        if not found:
+            wanted = sorted(self.names | {c.__qualname__ for c in self.classes})
+            present = sorted({type(m).__name__ for m in root.modules()})
+            raise ValueError(
+                f"no_split_modules_auto_wrap_policy: no module of the classes {wanted} in "
+                f"{type(root).__name__} (its classes: {present[:20]}{' ...' if len(present) > 20 else ''}); "
+                "pass the names of its block classes"
+            )
+        uses: dict[int, int] = {}  # parameter id -> how many (module, name) pairs register it
+        for m in root.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    uses[id(p)] = uses.get(id(p), 0) + 1
+        tied_out: set[int] = set()
+        for m in found:
+            inside: dict[int, int] = {}
+            for sub in m.modules():
+                for p in sub._parameters.values():
+                    if p is not None:
+                        inside[id(p)] = inside.get(id(p), 0) + 1
+            if any(uses[pid] > n for pid, n in inside.items()):
+                tied_out.add(id(m))
+                log.info(
+                    "no_split_modules_auto_wrap_policy: %s shares a parameter with a module outside it (tied "
+                    "weights); it is not wrapped on its own, its parameters go to the enclosing wrapper",
+                    type(m).__name__,
+                )
+        return tied_out
+
+    def __repr__(self) -> str:
+        names = sorted(self.names | {c.__qualname__ for c in self.classes})
+        return f"no_split_modules_auto_wrap_policy({names})"
+
+
+def no_split_modules_auto_wrap_policy(
+    blocks: nn.Module | str | type[nn.Module] | Iterable[str | type[nn.Module]],
+) -> AutoWrapPolicy:
+    """A policy that wraps a model's blocks as the model itself declares them, by class name.
+
+    ``blocks`` is a model, or block classes given by name (``"GPT2Block"``, or with its module:
+    ``"transformers.models.gpt2.modeling_gpt2.GPT2Block"``) or as classes. From a model, the names
+    are those its modules list in ``_no_split_modules`` (Hugging Face ``transformers`` models list
+    their blocks there: the modules that must not be split across devices), so no import of the
+    model's internals is needed::
+
+        model = FSDP(hf_model, auto_wrap_policy=no_split_modules_auto_wrap_policy(hf_model))
+
+    Every module is descended into; each instance of a named class is wrapped, except one that shares
+    a parameter with a module outside it (tied weights, e.g. BERT's embeddings and its MLM head): that
+    one is left to the enclosing wrapper, which would adopt the tied parameter anyway. Nothing else is
+    wrapped, the root included unless it is such a block. A walk over a tree where no module matches
+    raises ``ValueError`` naming the classes it found, so a misspelt name does not leave the whole
+    model in one unit.
+    """
+    if isinstance(blocks, nn.Module):
+        declared: set[str] = set()
+        for m in blocks.modules():
+            names = getattr(m, "_no_split_modules", None)
+            if names:
+                declared.update((names,) if isinstance(names, str) else names)
+        if not declared:
+            raise ValueError(
+                f"no_split_modules_auto_wrap_policy: {type(blocks).__name__} declares no _no_split_modules (a "
+                "list of its block class names, as Hugging Face models have); pass the block classes or their "
+                "names instead, e.g. no_split_modules_auto_wrap_policy({'Block'})"
+            )
+        items: list[Any] = sorted(declared)
+    elif isinstance(blocks, (str, type)):
+        items = [blocks]
+    else:
+        items = list(blocks)
+    for item in items:
+        if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))):
+            raise TypeError(
+                f"no_split_modules_auto_wrap_policy takes a model, or class names (str) or nn.Module subclasses, "
+                f"got {item!r}"
+            )
+    if not items:
+        raise ValueError("no_split_modules_auto_wrap_policy needs at least one block class name")
+    return _ClassNamePolicy(
+        frozenset(i for i in items if isinstance(i, str)), tuple(i for i in items if isinstance(i, type))
+    )
 
 
 @contextlib.contextmanager

@@ -82,6 +82,36 @@ def test_torch_style_defaults_and_fairscale_style_bools(single_rank_group: None)
     assert mixed.mixed_precision is True and mixed.cpu_offload == fsdp.CPUOffload()
 
 
+def _shows_torch_style(w: FSDP) -> bool:
+    """Whether every difference between the two libraries follows torch on ``w`` (and none does otherwise)."""
+    torch_module = w.module is w._fsdp_wrapped_module
+    flat = [name for name, _ in w.named_parameters(recurse=False)]
+    torch_names = all(n == "_fsdp_wrapped_module._flat_param" for n in flat) if flat else torch_module
+    torch_objects = isinstance(w.mixed_precision, fsdp.MixedPrecision) and isinstance(
+        w.cpu_offload, fsdp.CPUOffload
+    )
+    assert torch_module == torch_names == torch_objects, (torch_module, flat, torch_objects)
+    return torch_module
+
+
+def test_one_decision_says_which_library_a_wrapper_follows(single_rank_group: None) -> None:
+    """``model.module``, the flat parameters' names and the option attributes follow one decision:
+    every torch-only argument counts (``limit_all_gathers=False`` too), and the wrappers an
+    ``auto_wrap_policy`` builds are torch's like their root."""
+    policy = FSDP(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+    )
+    wrappers = FSDP.fsdp_modules(policy)
+    assert len(wrappers) == 3 and all(_shows_torch_style(w) for w in wrappers)
+    assert wrappers[1].mixed_precision == torch_fsdp.MixedPrecision()
+    assert wrappers[1].cpu_offload == torch_fsdp.CPUOffload(offload_params=False)
+    assert _shows_torch_style(FSDP(nn.Linear(2, 2), limit_all_gathers=False))
+    assert _shows_torch_style(FSDP(nn.Linear(2, 2), forward_prefetch=False))
+    assert _shows_torch_style(FSDP(nn.Linear(2, 2), mixed_precision=None))
+    assert not _shows_torch_style(FSDP(nn.Linear(2, 2), mixed_precision=False, cpu_offload=False))
+    assert not _shows_torch_style(FSDP(nn.Linear(2, 2), backward_prefetch=True, limit_all_gathers=True))
+
+
 @contextlib.contextmanager
 def _full_prec_in_eval(value: str | None) -> Iterator[None]:
     before = os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)

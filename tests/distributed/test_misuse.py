@@ -25,19 +25,29 @@ def _expect(exc_type: type[BaseException], fn, *args, **kwargs) -> str:  # type:
     raise AssertionError(f"{exc_type.__name__} was not raised")
 
 
-def _different_wrappers() -> str:
+def _different_wrappers(how: str) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    if dist.get_rank() == 1:
-        model[1] = FSDP(model[1])  # only rank 1 wraps the second layer
+    if how == "construction":  # only rank 1 wraps the second layer: the first constructions differ
+        if dist.get_rank() == 1:
+            return _expect(ValueError, FSDP, model[1])
+        return _expect(ValueError, FSDP, model)
+    if dist.get_rank() == 1:  # the same modules, one frozen on rank 1 only: seen in the fingerprint
+        model[1].weight.requires_grad_(False)
     root = FSDP(model)
     return _expect(RuntimeError, root, torch.randn(2, 4))
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
-def test_ranks_with_different_wrappers_fail_at_first_forward(pool: RankPool) -> None:
-    for msg in pool.run(_different_wrappers, timeout=60):
-        assert "ranks built different FSDP wrappers" in msg and "rank 1" in msg
+@pytest.mark.parametrize("how", ["construction", "first_forward"])
+def test_ranks_with_different_wrappers_fail(pool: RankPool, how: str) -> None:
+    for msg in pool.run(_different_wrappers, how, timeout=60):
+        if how == "construction":
+            assert "construct wrappers with different options, or around different modules" in msg, msg
+            assert "Sequential with 4 parameters (40 elements) on rank" in msg, msg
+            assert "Linear with 2 parameters (20 elements) on rank 1" in msg, msg
+        else:
+            assert "ranks built different FSDP wrappers" in msg and "rank 1" in msg, msg
 
 
 def _inner_root_first(how: str) -> Any:
@@ -194,8 +204,8 @@ def _scalar_and_unused_outputs() -> float:
 def test_single_process_misuse_messages(pool: RankPool) -> None:
     for msg in pool.run(_opaque_output):
         assert "cannot find the tensors in the output" in msg and "_Opaque" in msg
-    for msg in pool.run(_forward_inside_summon):
-        assert "expected training state IDLE" in msg and "SUMMON_FULL_PARAMS" in msg
+    for msg in pool.run(_forward_inside_summon):  # (under no_grad it runs: test_direct_calls.py)
+        assert "a forward inside summon_full_params() with gradients enabled" in msg
     # a scalar parameter shards (rank 1 holds only padding) and trains: d(sum(x*s))/ds = 3, averaged
     grads = pool.run(_scalar_and_unused_outputs)
     assert sum(grads) == pytest.approx(3.0)

@@ -161,8 +161,8 @@ def _bad_hybrid_groups(which: str) -> str:
         elif which == "not_a_member":
             FSDP(nn.Linear(2, 2), process_group=partial)
             return "no error" if rank < 3 else "rank 3 was accepted"
-        elif which == "strategies_differ":  # rank 0 alone builds HYBRID: the fingerprint says so
-            # (no second reduce-scatter group: creating one is a world collective that rank 0 would skip)
+        elif which == "strategies_differ":  # rank 0 alone builds HYBRID: refused at construction
+            # (no second reduce-scatter group here; tests/distributed/test_agreement.py builds one)
             kwargs: dict[str, Any] = {"sharding_strategy": hybrid, "process_group": (shard, replicate)}
             FSDP(
                 nn.Linear(2, 2),
@@ -182,7 +182,7 @@ def _bad_hybrid_groups(which: str) -> str:
         ("shard_twice", "must have only this rank in common"),
         ("part_of_the_world", "must cover the world of 4 ranks"),
         ("crossed", "must hold the ranks that keep the same shard"),
-        ("strategies_differ", "ranks built different FSDP wrappers"),
+        ("strategies_differ", "sharding_strategy: HYBRID_SHARD on rank 0; FULL_SHARD on ranks 1, 2, 3"),
     ],
 )
 def test_hybrid_groups_that_do_not_fit_are_refused(pool: RankPool, which: str, match: str) -> None:

@@ -247,9 +247,10 @@ def test_sync_module_states_gives_every_rank_the_first_ranks_values(pool: RankPo
 def _sync_different_shapes() -> str:
     import torch.distributed as dist
 
-    width = 4 + dist.get_rank()
+    # the same class and number of elements (the construction's handshake compares those): 4x2 or 2x4
+    shape = (4, 2) if dist.get_rank() == 0 else (2, 4)
     try:
-        FullyShardedDataParallel(nn.Linear(width, 2), sync_module_states=True)
+        FullyShardedDataParallel(nn.Linear(*shape, bias=False), sync_module_states=True)
     except RuntimeError as e:
         return str(e)
     return "built"

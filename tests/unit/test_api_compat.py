@@ -559,7 +559,7 @@ def test_a_sharded_parameter_refuses_operations_on_values_and_keeps_its_metadata
         "requires_grad_()": lambda: weight.requires_grad_(False),
         "setting .requires_grad": lambda: setattr(weight, "requires_grad", False),
         "reading .data": lambda: weight.data,
-        "linear()": lambda: model.module(torch.ones(2, 4)),  # the inner module, not the wrapper
+        "linear()": lambda: nn.functional.linear(torch.ones(2, 4), weight),  # outside any call of a module
     }
     for what, attempt in attempts.items():
         with pytest.raises(RuntimeError, match=rf"{re.escape(what)} on '0.weight', which is sharded"):

@@ -395,40 +395,6 @@ def test_ignored_classes_run_in_fp32_between_casts(
     assert router.flat_param_0.grad.dtype == F32
 
 
-def test_the_mixins_stubs_never_shadow_the_wrappers_methods() -> None:
-    """The mixins declare what they need from the wrapper as stubs that raise; the wrapper's bases
-    must be ordered so that every such name resolves to real code."""
-    import ast
-    import inspect
-
-    def is_stub(fn: Any) -> bool:
-        fn = fn.fget if isinstance(fn, property) else fn
-        if not callable(fn):
-            return False
-        try:
-            tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)))
-        except (OSError, TypeError):
-            return False
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        return (
-            len(body) == 1
-            and isinstance(body[0], ast.Raise)
-            and "NotImplementedError" in ast.unparse(body[0])
-        )
-
-    stubs = [
-        (cls.__name__, name)
-        for cls in FSDP.__mro__[1:]
-        if cls.__module__.startswith("fsdp.")
-        for name, value in vars(cls).items()
-        if is_stub(value)
-    ]
-    assert len(stubs) >= 10, "the mixins' stubs are found"
-    for owner, name in stubs:
-        resolved = inspect.getattr_static(FSDP, name)
-        assert not is_stub(resolved), f"{owner}.{name} shadows the wrapper's {name}"
-
-
 class _Gate(nn.Module):
     def forward(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return x * mask
