@@ -14,9 +14,9 @@ import torch
 
 from fsdp._wrapper_protocol import WrapperMixin
 from fsdp.api import TrainingState
+from fsdp.clip_grad import clip_grad_norm_
 from fsdp.consistency import collective
 from fsdp.guards import unsynced
-from fsdp.handle import clip_grad_norm_
 
 __all__ = ["GradientMethods"]
 

@@ -19,7 +19,8 @@ from fsdp._wrapper_protocol import Wrapper
 from fsdp.buckets import GradBucketer, ReduceScatterBucketer
 from fsdp.collectives import CommStats
 from fsdp.consistency import wrapper_path
-from fsdp.handle import FlatParamHandle, MemoryStats, make_no_shard_bucketer
+from fsdp.handle import FlatParamHandle, MemoryStats
+from fsdp.no_shard_buckets import make_no_shard_bucketer
 from fsdp.schedule import Scheduler
 
 __all__ = ["RootContext"]

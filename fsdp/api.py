@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,7 @@ class TrainingState(enum.Enum):
 
     IDLE -> FORWARD -> IDLE (between forward and backward) -> BACKWARD_PRE -> BACKWARD_POST -> IDLE
     (reset by the root's end-of-backward callback). SUMMON_FULL_PARAMS holds while the user sees
-    full parameters.
+    full parameters. Every change is checked against :data:`TRAINING_TRANSITIONS`.
     """
 
     IDLE = enum.auto()
@@ -94,11 +95,55 @@ class TrainingState(enum.Enum):
     SUMMON_FULL_PARAMS = enum.auto()
 
 
+_S = TrainingState
+# The legal changes of a wrapper's training state: old -> the states it may go to. A wrapper whose
+# frozen parameters get no post-backward goes from BACKWARD_PRE straight back to IDLE; every handle's
+# post-backward sets BACKWARD_POST again.
+TRAINING_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
+    _S.IDLE: frozenset({_S.FORWARD, _S.BACKWARD_PRE, _S.SUMMON_FULL_PARAMS}),
+    _S.FORWARD: frozenset({_S.IDLE}),
+    _S.BACKWARD_PRE: frozenset({_S.BACKWARD_POST, _S.IDLE}),
+    _S.BACKWARD_POST: frozenset({_S.BACKWARD_POST, _S.IDLE}),
+    _S.SUMMON_FULL_PARAMS: frozenset({_S.IDLE}),
+}
+del _S
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def check_transition(what: str, old: _E, new: _E, legal: Mapping[_E, frozenset[_E]]) -> None:
+    """Raise ``RuntimeError`` unless ``old -> new`` is one of the ``legal`` transitions of the state
+    machine ``what`` (e.g. "training state"). Every state machine of the package changes through it."""
+    if new not in legal[old]:
+        allowed = ", ".join(sorted(s.name for s in legal[old])) or "none"
+        raise RuntimeError(
+            f"FullyShardedDataParallel: illegal {what} transition {old.name} -> {new.name} (from {old.name} "
+            f"only to {allowed}); a forward, backward or summon_full_params() did not finish, or ran inside another"
+        )
+
+
 class MemoryState(enum.Enum):
-    """Which tensor a flat parameter's ``.data`` is. See [Note: flat parameter data]."""
+    """Which tensor a flat parameter's ``.data`` is, and whether its full parameter stays in memory.
+    See [Note: flat parameter data].
+
+    SHARDED: ``.data`` is the shard; the full buffers are freed. FULL_KEPT: ``.data`` is the shard,
+    and the full parameter gathered for it is kept from the last forward or backward (the root,
+    ``reshard_after_forward=False``, ``no_sync``), so the next unshard gathers nothing while the
+    shard is unchanged. UNSHARDED: ``.data`` is a full buffer. Changes follow :data:`MEMORY_TRANSITIONS`.
+    """
 
     SHARDED = enum.auto()
+    FULL_KEPT = enum.auto()
     UNSHARDED = enum.auto()
+
+
+_M = MemoryState
+MEMORY_TRANSITIONS: dict[MemoryState, frozenset[MemoryState]] = {
+    _M.SHARDED: frozenset({_M.UNSHARDED}),
+    _M.FULL_KEPT: frozenset({_M.UNSHARDED, _M.SHARDED}),
+    _M.UNSHARDED: frozenset({_M.SHARDED, _M.FULL_KEPT}),
+}
+del _M
 
 
 class ProcessGroupName(str, enum.Enum):

@@ -48,6 +48,7 @@ from fsdp._torch_compat import (
 )
 from fsdp._torch_methods import InstanceOrStatic, TorchFSDPMethods
 from fsdp.api import (
+    TRAINING_TRANSITIONS,
     FSDPConfig,
     MixedPrecision,
     ProcessGroupName,
@@ -56,6 +57,7 @@ from fsdp.api import (
     StateDictType,
     TorchOptions,
     TrainingState,
+    check_transition,
 )
 from fsdp.collectives import broadcast_from_first_rank, set_activity
 from fsdp.consistency import (
@@ -79,13 +81,10 @@ from fsdp.flat_param import (
 )
 from fsdp.grad_hooks import GraphToken, OutputHook
 from fsdp.guards import claim_modules, mark_flattened, registrations
-from fsdp.handle import (
-    FlatParamHandle,
-    finish_no_shard_buckets,
-    free_unused_prefetches,
-)
+from fsdp.handle import FlatParamHandle, free_unused_prefetches
 from fsdp.mixed_precision import buffers_in_dtypes, cast_inputs, move_owned_buffers
 from fsdp.nest import visit_tensors
+from fsdp.no_shard_buckets import finish_no_shard_buckets
 from fsdp.shared_params import adopt_tied, check_no_pending_ties
 from fsdp.state_layout import UnitSpec, describe
 from fsdp.wrap import AutoWrapPolicy
@@ -154,7 +153,7 @@ class FullyShardedDataParallel(
     _fsdp_wrapped_module: nn.Module
     fsdp_config: FSDPConfig
     handles: list[FlatParamHandle]
-    training_state: TrainingState
+    # training_state: a property (below) whose setter checks every change; kept in __dict__ under its name
     _own_ctx: _Context | None  # the root's context (the root holds it)
     _ctx_ref: weakref.ref[_Context] | None  # a nested wrapper's reference to its root's context
     _is_root: bool | None  # None until lazy init
@@ -329,6 +328,23 @@ class FullyShardedDataParallel(
         return self._is_root
 
     # ------------------------------------------------------------------ state machine
+    @property
+    def training_state(self) -> TrainingState:
+        """Where this wrapper is in the training step (fairscale's attribute)."""
+        return cast(TrainingState, self.__dict__["training_state"])
+
+    @training_state.setter
+    def training_state(self, state: TrainingState) -> None:
+        """The one way the training state changes: ``old -> state`` must be in
+        :data:`fsdp.api.TRAINING_TRANSITIONS` (a new wrapper starts IDLE). The value lives in the
+        instance ``__dict__`` under its own name, so copies and pickles carry it like any attribute."""
+        old = self.__dict__.get("training_state")
+        if old is None:
+            assert state is TrainingState.IDLE, "a wrapper starts IDLE"
+        else:
+            check_transition("training state", old, state, TRAINING_TRANSITIONS)
+        self.__dict__["training_state"] = state
+
     def assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         """Raise if this wrapper is not in (one of) ``state``."""
         states = state if isinstance(state, list) else [state]
@@ -340,11 +356,13 @@ class FullyShardedDataParallel(
 
     @contextlib.contextmanager
     def _state(self, state: TrainingState) -> Iterator[None]:
+        """This wrapper in ``state`` for the duration; then back in the state it was in before."""
+        previous = self.training_state
         self.training_state = state
         try:
             yield
         finally:
-            self.training_state = TrainingState.IDLE
+            self.training_state = previous
 
     def _wrappers(self) -> list[FullyShardedDataParallel]:
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
@@ -732,10 +750,11 @@ class FullyShardedDataParallel(
             ctx.in_flight.clear()
             for w in ctx.wrappers:
                 for h in w.handles:
-                    h.reduced_this_backward = False
+                    h.end_backward()
                     h.accumulators.end_backward()
                 w._pre_backward_done = False
-                w.training_state = TrainingState.IDLE
+                if w.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+                    w.training_state = TrainingState.IDLE  # (not a wrapper in a forward or summon of its own)
 
     # ------------------------------------------------------------------ full parameters
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:

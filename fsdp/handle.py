@@ -8,9 +8,12 @@ the optimizer holds):
 - ``_full``: the padded full flat tensor, shape ``(padded_numel,)``. Its storage is freed
   (``untyped_storage().resize_(0)``) while the handle is SHARDED and re-allocated in place before
   every all-gather. See [Note: storage resize].
-- ``flat_param.data`` is ``_shard`` while SHARDED and ``_active`` (normally ``_full``) while
-  UNSHARDED. Between training steps every handle is SHARDED, so the optimizer sees and updates only
-  the local shard.
+- ``flat_param.data`` is ``_shard`` while SHARDED or FULL_KEPT and ``_active`` (normally ``_full``)
+  while UNSHARDED. FULL_KEPT is SHARDED with ``_full`` still holding the full parameter gathered for
+  the shard (kept by ``reshard(free_full=False)``), valid while ``flat_param._version`` is the
+  ``_full_version`` recorded then: an in-place update of the shard (an optimizer step) makes the
+  next unshard gather again. Between training steps every handle is SHARDED or FULL_KEPT, so the
+  optimizer sees and updates only the local shard.
 
 Under mixed precision ``_full`` is in the compute dtype (fp16/bf16) and is gathered from
 ``_lp_shard``, a compute-dtype copy of the shard made just before the all-gather, so the wire
@@ -34,6 +37,32 @@ full-shaped gradient into ``flat_param.grad``, which requires it to be None or f
 ``prepare_gradient_for_backward`` therefore moves an existing shard gradient to
 ``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
 accumulation across backward passes (without zero_grad) sums as in a plain model.
+
+[Note: gradient state]
+A handle's gradient is in one :class:`GradState` (``grad_state``), changed only by
+``_set_grad_state``, which checks the change against ``GRAD_TRANSITIONS``:
+
+    state     the gradient of this backward is                        next
+    IDLE      nowhere yet (.grad: the shard gradient, or None)        UNSYNCED, REDUCING, BUCKETED
+    UNSYNCED  summed in _grad_acc inside no_sync (in .grad itself     UNSYNCED, REDUCING, BUCKETED,
+              when aliased), not reduced                              IDLE (zero_grad() drops it)
+    REDUCING  in the reduction _pending: sent, or queued in a bucket  COPYING, REDUCED, IDLE*
+    BUCKETED  on .grad (full) for the root's NO_SHARD bucket engine   REDUCED, IDLE*
+    COPYING   reduced, on its way to the host (_grad_copy)            REDUCED, IDLE*
+    REDUCED   reduced, added into .grad (the shard gradient)          IDLE
+
+The post-backward (``reduce_grad``) leaves IDLE or UNSYNCED: for UNSYNCED inside ``no_sync``, else
+for REDUCING, or BUCKETED where the bucket engine reduces. ``finalize_gradient`` (from a later
+post-backward, the hook before a gradient concatenation, or the end of backward) goes on to REDUCED,
+through COPYING when the shard is offloaded on CUDA: a call during backward leaves the copy in
+flight, the end of backward collects it. The end of backward (``end_backward``) returns REDUCED to
+IDLE; UNSYNCED stays until a backward outside ``no_sync`` reduces the sum. IDLE*: a backward that
+raised before its end (ranks that disagree on what they reduced) drops what it left in flight. A
+handle counts as reduced in this backward (``reduced_this_backward``: the end-of-backward check
+compares it across ranks, and the post-backward refuses a part of the gradient that comes after
+it) in REDUCING, BUCKETED, COPYING and REDUCED. The stash of [Note: gradient stash] is apart from
+the state: the pre-backward makes it, and it is added to the reduced shard on the way to REDUCED,
+or put back on ``.grad`` at the end of a backward that brought no reduction (IDLE, UNSYNCED).
 
 [Note: finishing reductions early]
 A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
@@ -73,7 +102,7 @@ stays allocated inside the context (with ``keep_full_params``, every unit's full
 from __future__ import annotations
 
 import dataclasses
-import math
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,8 +111,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._device import DeviceHandle, SideCopies
-from fsdp.api import CommConfig, MemoryState
-from fsdp.buckets import BucketConfig, GradBucketer, ReduceScatterBucketer
+from fsdp.api import MEMORY_TRANSITIONS, CommConfig, MemoryState, check_transition
+from fsdp.buckets import ReduceScatterBucketer
 from fsdp.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.flat_param import (
     FlatParamMeta,
@@ -97,14 +126,7 @@ from fsdp.flat_param import (
 from fsdp.grad_hooks import AccumulatorHooks
 from fsdp.sharding import ShardSpec, shard_spec
 
-__all__ = [
-    "FlatParamHandle",
-    "MemoryStats",
-    "clip_grad_norm_",
-    "finish_no_shard_buckets",
-    "free_unused_prefetches",
-    "make_no_shard_bucketer",
-]
+__all__ = ["GRAD_TRANSITIONS", "FlatParamHandle", "GradState", "MemoryStats", "free_unused_prefetches"]
 
 
 def _free_storage(t: torch.Tensor) -> int:
@@ -144,6 +166,30 @@ class MemoryStats:
         self.peak = self.current
 
 
+class GradState(enum.Enum):
+    """Where a handle's gradient is in the current backward. See [Note: gradient state]."""
+
+    IDLE = enum.auto()
+    UNSYNCED = enum.auto()
+    REDUCING = enum.auto()
+    BUCKETED = enum.auto()
+    COPYING = enum.auto()
+    REDUCED = enum.auto()
+
+
+_G = GradState
+GRAD_TRANSITIONS: dict[GradState, frozenset[GradState]] = {
+    _G.IDLE: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED}),
+    _G.UNSYNCED: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED, _G.IDLE}),
+    _G.REDUCING: frozenset({_G.COPYING, _G.REDUCED, _G.IDLE}),
+    _G.BUCKETED: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.COPYING: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.REDUCED: frozenset({_G.IDLE}),
+}
+_REDUCED_THIS_BACKWARD = frozenset({_G.REDUCING, _G.BUCKETED, _G.COPYING, _G.REDUCED})
+del _G
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
@@ -178,31 +224,28 @@ class FlatParamHandle:
     # stats, memory, rs_bucketer: the root's, handed over at its lazy init (join_root)
     stats: CommStats | None  # collective calls and bytes of the tree (None: no root, not counted)
     memory: MemoryStats  # unshard buffers of the tree (the root's, from its lazy init)
-    state: MemoryState
+    state: MemoryState  # changed only by _set_memory_state (MEMORY_TRANSITIONS)
     compute_dtype: torch.dtype  # dtype of the all-gather and of compute
     reduce_dtype: torch.dtype | None  # dtype of the gradient reduce-scatter (None: the gradient's)
     _shard: torch.Tensor  # (chunk,) local master shard, meta.dtype (fp32 under mixed precision)
     _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype device copy of the shard to all-gather; freed
     offloaded: bool  # the master shard (and its gradient) lives on the CPU, compute on another device
     copies: SideCopies | None  # CUDA with offload: the side stream of host<->device copies
-    _grad_copy: tuple[torch.Tensor, Any] | None  # (host gradient, event) of a copy still in flight
+    _grad_copy: tuple[torch.Tensor, Any] | None  # COPYING: (host gradient, event) of the copy in flight
     _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
     _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
     _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
-    _full_valid: bool  # _full holds the gathered values of the current _shard
-    _full_version: int  # flat_param._version when _full was last known valid
+    _full_version: int  # FULL_KEPT: flat_param._version when _full was kept (valid while unchanged)
+    grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
-    _pending: Pending | None  # in-flight reduction of this backward
+    _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
     _gathering: tuple[torch.Tensor, Pending] | None  # (target buffer, in-flight all-gather) after prefetch()
     rs_bucketer: ReduceScatterBucketer | None  # the root's reduce-scatter buckets (None: one collective each)
-    _all_reduce_after: bool  # HYBRID_SHARD: all-reduce the reduced shard across replicas when it is ready
-    _grad_acc: torch.Tensor | None  # (padded_numel,) gradients accumulated locally inside no_sync
-    _bucketed: bool  # this backward's gradient is left on .grad for the root's bucket engine
+    _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     _placeholders_set: bool  # the modules' attributes are the stand-ins now
     # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
     _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
-    reduced_this_backward: bool
     accumulators: AccumulatorHooks  # the post-backward's hooks: see [Note: gradient accumulators]
 
     def __init__(
@@ -252,7 +295,7 @@ class FlatParamHandle:
         self.state = MemoryState.SHARDED
         self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
         self._grad_acc = self._full_grad = None
-        self._all_reduce_after = self._bucketed = self.reduced_this_backward = False
+        self.grad_state = GradState.IDLE
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = [
             make_placeholder(info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad)
@@ -284,7 +327,6 @@ class FlatParamHandle:
             self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
             _free_storage(self._lp_shard)
         self._active = self._full
-        self._full_valid = self.aliased
         self._full_version = -1
 
     def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
@@ -292,7 +334,9 @@ class FlatParamHandle:
         new tensor is the shard, the master dtype is its dtype, the compute dtype ``param_dtype`` (its
         own without mixed precision) and the compute ``device``; every buffer derived from the shard
         is made again (freed), and the stand-ins of the original parameters take the new dtype."""
-        assert self.state is MemoryState.SHARDED and self._gathering is None, "converted while unsharded"
+        assert self.state is not MemoryState.UNSHARDED and self._gathering is None, (
+            "converted while unsharded"
+        )
         self._free_full()  # (a compute buffer kept from a forward holds the old values)
         data = self.flat_param.data
         self.compute_device = device
@@ -303,9 +347,12 @@ class FlatParamHandle:
         self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
         self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
         grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
+        unsynced = self.grad_state is GradState.UNSYNCED
         self._start_sharded()
         if grad_acc is not None:
             self._grad_acc = grad_acc.to(device=device, dtype=data.dtype)
+        if unsynced:
+            self._set_grad_state(GradState.UNSYNCED)
 
     # ------------------------------------------------------------------ copies
     # What a copy or a pickle of the handle keeps: its layout, its flat parameter (the shard, its data)
@@ -318,7 +365,7 @@ class FlatParamHandle:
     )  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
-        assert self.state is MemoryState.SHARDED and self._gathering is None, "copied while unsharded"
+        assert self.state is not MemoryState.UNSHARDED and self._gathering is None, "copied while unsharded"
         return {name: getattr(self, name) for name in self._COPIED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -356,7 +403,12 @@ class FlatParamHandle:
         the compute buffer kept since a forward and the shard unchanged since (always when aliased)."""
         if self.state is MemoryState.UNSHARDED:
             return True
-        return self.aliased or (self._full_valid and self._full_version == self.flat_param._version)
+        return self.aliased or self._kept_full_valid
+
+    @property
+    def _kept_full_valid(self) -> bool:
+        """FULL_KEPT, and the shard unchanged since: the kept full parameter is its all-gather."""
+        return self.state is MemoryState.FULL_KEPT and self._full_version == self.flat_param._version
 
     @property
     def gathers(self) -> bool:
@@ -419,11 +471,9 @@ class FlatParamHandle:
         pending.wait()
         if self._lp_shard is not None:
             self.memory.add(-_free_storage(self._lp_shard))
-        if buf is self._full:
-            self._full_valid = True
         self._active = buf
         self.flat_param.data = buf
-        self.state = MemoryState.UNSHARDED
+        self._set_memory_state(MemoryState.UNSHARDED)
 
     def prefetch(self, full_precision: bool = False) -> None:
         """Launch the all-gather of :meth:`unshard` without waiting for it. Collective.
@@ -445,7 +495,7 @@ class FlatParamHandle:
                 pending = all_gather(buf, source, self.comm.process_group, self.stats)
         else:
             buf = self._full
-            if self.aliased or (self._full_valid and self._full_version == self.flat_param._version):
+            if self.aliased or self._kept_full_valid:
                 pending = Pending(None, buf)
             else:
                 self.memory.add(_alloc_storage(buf))
@@ -470,28 +520,40 @@ class FlatParamHandle:
             return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
 
     def reshard(self, free_full: bool = True) -> None:
-        """Point ``flat_param.data`` back at the shard; free the full buffer unless told to keep it."""
+        """Point ``flat_param.data`` back at the shard; free the full buffer, or keep it (FULL_KEPT)
+        with ``free_full=False`` when it holds the compute-dtype gather (a master-dtype one, shown by a
+        summon, is always freed)."""
         if self._gathering is not None:  # prefetched but never used: let the gather land first
             self.unshard()
-        if self.state is MemoryState.SHARDED:
+        if self.state is not MemoryState.UNSHARDED:
             if free_full:
                 self._free_full()
             return
         self.flat_param.data = self._shard
-        self.state = MemoryState.SHARDED
         self.remove_module_tensors()
         if self._full_precision is not None:
             self.memory.add(-_free_storage(self._full_precision))
+        keep = not free_full and self._active is self._full and not self.aliased
         self._active = self._full
-        if free_full:
-            self._free_full()
-        elif self._full_valid:
+        if keep:
             self._full_version = self.flat_param._version
+            self._set_memory_state(MemoryState.FULL_KEPT)
+        else:
+            self._set_memory_state(MemoryState.SHARDED)
+            self._free_full()
 
     def _free_full(self) -> None:
+        """Free the compute-dtype full buffer (nothing when aliased): FULL_KEPT becomes SHARDED."""
         if not self.aliased:
             self.memory.add(-_free_storage(self._full))
-            self._full_valid = False
+        if self.state is MemoryState.FULL_KEPT:
+            self._set_memory_state(MemoryState.SHARDED)
+
+    def _set_memory_state(self, state: MemoryState) -> None:
+        """The one way the memory state changes (after the buffers changed). See [Note: flat parameter data]."""
+        check_transition("memory state", self.state, state, MEMORY_TRANSITIONS)
+        assert state is not MemoryState.FULL_KEPT or not self.aliased, "an aliased full parameter kept"
+        self.state = state
 
     def _adopt_user_data(self) -> None:
         """Follow a user who replaced ``flat_param.data`` between steps (e.g. ``p.data = t``)."""
@@ -511,10 +573,10 @@ class FlatParamHandle:
                 f"{tuple(data.shape)} and dtype {data.dtype}; it must keep its local shard's shape "
                 f"{tuple(self._shard.shape)} and dtype {self._shard.dtype}"
             )
+        self._free_full()  # (a full parameter kept for the old shard)
         if self.aliased:
             self._full = data
         self._shard = data
-        self._full_valid = self.aliased
 
     def write_back_(self) -> None:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
@@ -527,7 +589,7 @@ class FlatParamHandle:
                 if _same_bits(chunk.to(self._shard.device), self._shard):
                     return
                 self._shard.copy_(chunk)
-            self._full_valid = False  # the shard changed under the compute buffer's feet
+            # (the shard changed under the full buffer's feet: the summon that wrote it frees it next)
 
     # ------------------------------------------------------------------ module attributes
     def use_full_views(self, as_parameters: bool, before_concat: Callable[[], None] | None = None) -> None:
@@ -702,6 +764,7 @@ class FlatParamHandle:
                 self.flat_param.grad = None
                 acc = grad.to(self.meta.dtype)
                 self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
+            self._set_grad_state(GradState.UNSYNCED)
             self.reshard(free_full=not keep_full)
             return
         self.flat_param.grad = None
@@ -715,9 +778,7 @@ class FlatParamHandle:
             full = grad.to(device=self._shard.device, dtype=self.meta.dtype)
             self.reshard(free_full=True)
             self.flat_param.grad = full  # NO_SHARD: the full gradient is shard-shaped
-            self._pending = None
-            self._bucketed = True
-            self.reduced_this_backward = True
+            self._set_grad_state(GradState.BUCKETED)
             return
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
@@ -725,31 +786,57 @@ class FlatParamHandle:
         if self.comm.gradient_predivide_factor != 1:
             grad.div_(self.comm.gradient_predivide_factor)
         replicate = self.comm.replicate_group
-        if self.spec.world_size > 1:
+        if self.spec.world_size > 1:  # (HYBRID_SHARD: then across replicas, when it is finished)
             group = self.comm.process_group_reduce_scatter
             # the reduced chunk is allocated when needed: on the CPU only once the sum is done
             if self.rs_bucketer is not None:  # small gradients share one collective
                 self._pending = self.rs_bucketer.reduce_scatter(None, grad, group)
             else:
                 self._pending = reduce_scatter(None, grad, group, self.stats)
-            self._all_reduce_after = replicate is not None  # HYBRID: then across replicas, at the end
         elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
             self._pending = all_reduce(grad, replicate, stats=self.stats)
-            self._all_reduce_after = False
         else:
             self._pending = Pending(None, grad)
-            self._all_reduce_after = False
-        self.reduced_this_backward = True
+        self._set_grad_state(GradState.REDUCING)
         self.reshard(free_full=True)
 
     def discard_accumulated_grad(self) -> None:
         """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
         self._grad_acc = None
+        if self.grad_state is GradState.UNSYNCED:
+            self._set_grad_state(GradState.IDLE)
+
+    def end_backward(self) -> None:
+        """End of backward: a reduced gradient is just the shard gradient now; what a backward that
+        raised before its end left in flight is dropped. See [Note: gradient state]."""
+        if self.grad_state in _REDUCED_THIS_BACKWARD:
+            self._pending = self._grad_copy = None  # (set only after such a backward)
+            self._set_grad_state(GradState.IDLE)
+
+    def _set_grad_state(self, state: GradState) -> None:
+        """The one way the gradient state changes; checks the change and what each state holds."""
+        check_transition("gradient state", self.grad_state, state, GRAD_TRANSITIONS)
+        assert (self._pending is not None) == (state is GradState.REDUCING), "a reduction outside REDUCING"
+        assert (self._grad_copy is not None) == (state is GradState.COPYING), "a host copy outside COPYING"
+        assert self._grad_acc is None or state is GradState.UNSYNCED, (
+            "an accumulated gradient outside UNSYNCED"
+        )
+        self.grad_state = state
+
+    @property
+    def reduced_this_backward(self) -> bool:
+        """This backward's gradient went to a reduction (sent, queued, bucketed, or finished)."""
+        return self.grad_state in _REDUCED_THIS_BACKWARD
+
+    @property
+    def _hybrid(self) -> bool:
+        """The reduced shard is all-reduced across replicas once its reduce-scatter is finished."""
+        return self.spec.world_size > 1 and self.comm.replicate_group is not None
 
     @property
     def reduction_pending(self) -> bool:
         """A reduction of this backward waits to be finished (sent or queued in a bucket)."""
-        return self._pending is not None
+        return self.grad_state is GradState.REDUCING
 
     @property
     def reduction_launched(self) -> bool:
@@ -759,43 +846,48 @@ class FlatParamHandle:
     @property
     def reduction_finishable(self) -> bool:
         """This backward's reduction is sent, and ``finalize_gradient`` would issue no collective."""
-        return self._pending is not None and self._pending.launched and not self._all_reduce_after
+        return self._pending is not None and self._pending.launched and not self._hybrid
 
     def finalize_gradient(self, asynchronous: bool = False) -> None:
-        """Wait for the reduction and set ``flat_param.grad`` to the (accumulated) shard gradient.
+        """Finish this backward's reduction and set ``flat_param.grad`` to the (accumulated) shard
+        gradient: REDUCING and BUCKETED go on to REDUCED. See [Note: gradient state].
 
-        With an offloaded shard on CUDA the gradient is copied to the host on the side stream; with
-        ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which the
-        end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
+        With an offloaded shard on CUDA the gradient is copied to the host on the side stream
+        (COPYING); with ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which
+        the end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
         """
-        if self._grad_copy is not None:  # a copy queued by an earlier call lands first
-            if asynchronous and self._pending is None and not self._bucketed:
-                return  # nothing new to queue: the blocking call collects it (no host wait here)
-            host, event = self._grad_copy
-            self._grad_copy = None
-            assert self.copies is not None
-            self.copies.device.synchronize_event(event)
-            self._set_grad(host)
-        if self._bucketed:  # reduced (and averaged) in place by the bucket engine
-            self._bucketed = False
+        if self.grad_state is GradState.REDUCING:
+            self._finish_reduction()
+        elif self.grad_state is GradState.BUCKETED:  # reduced (and averaged) in place by the bucket engine
             if self._saved_grad_shard is not None:
                 grad = self.flat_param.grad
                 self.flat_param.grad = (
                     self._saved_grad_shard if grad is None else self._saved_grad_shard.add_(grad)
                 )
                 self._saved_grad_shard = None
-            return
-        if self._pending is None:
-            # no new gradient this backward: restore the old one, once flat_param is the shard again
-            if self._saved_grad_shard is not None and self.state is MemoryState.SHARDED:
-                self.flat_param.grad = self._saved_grad_shard
-                self._saved_grad_shard = None
-            if self.copies is not None and not asynchronous:
-                self.copies.synchronize()  # nothing queued may still read or write host memory
-            return
+            self._set_grad_state(GradState.REDUCED)
+        if self.grad_state is GradState.COPYING:
+            if asynchronous:
+                return  # the blocking call collects it (no host wait during backward)
+            assert self._grad_copy is not None and self.copies is not None
+            host, event = self._grad_copy
+            self._grad_copy = None
+            self.copies.device.synchronize_event(event)
+            self._set_grad(host)
+            self._set_grad_state(GradState.REDUCED)
+        # no new gradient this backward: restore the old one, once flat_param is the shard again
+        if self._saved_grad_shard is not None and self.state is not MemoryState.UNSHARDED:
+            self.flat_param.grad = self._saved_grad_shard
+            self._saved_grad_shard = None
+        if self.copies is not None and not asynchronous:
+            self.copies.synchronize()  # nothing queued may still read or write host memory
+
+    def _finish_reduction(self) -> None:
+        """REDUCING -> COPYING (offloaded on CUDA) or REDUCED: wait for the reduction, finish it."""
+        assert self._pending is not None
         out = self._pending.wait()
         self._pending = None
-        if self._all_reduce_after:
+        if self._hybrid:
             assert self.comm.replicate_group is not None
             all_reduce(out, self.comm.replicate_group, stats=self.stats).wait()
         if self.comm.gradient_postdivide_factor != 1:
@@ -803,10 +895,10 @@ class FlatParamHandle:
         # gradients always land on the master shard: its dtype, and its device (CPU when offloaded)
         if self.copies is not None:
             self._grad_copy = self.copies.to_host(out, self.meta.dtype)
-            if not asynchronous:
-                self.finalize_gradient()
-            return
-        self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+            self._set_grad_state(GradState.COPYING)
+        else:
+            self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+            self._set_grad_state(GradState.REDUCED)
 
     def _set_grad(self, grad: torch.Tensor) -> None:
         if self._saved_grad_shard is not None:
@@ -815,127 +907,8 @@ class FlatParamHandle:
         self.flat_param.grad = grad
 
 
-def clip_grad_norm_(
-    handles: Sequence[FlatParamHandle],
-    max_norm: float,
-    norm_type: float,
-    device: torch.device,
-    stats: CommStats,
-    plain: Sequence[torch.Tensor] = (),
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Clip the shard gradients of ``handles`` and the gradients of the ``plain`` parameters
-    (ignored ones: the same on every rank, not sharded) by their global ``norm_type``-norm; return
-    the norm.
-
-    ``group`` is the data-parallel group of the root (every rank that trains the model). Each rank
-    adds ``|g|^p`` (max for the inf-norm) of the shards it holds, padding contributing zeros, and
-    one all-reduce over ``group`` sums them. A shard that several ranks hold (the replicas of
-    ``NO_SHARD`` and ``HYBRID_SHARD``) is counted by the first rank of its replicate group only, and
-    a unit sharded over a smaller group than ``group`` (an expert on a per-rank group: each rank holds
-    other parameters) is counted on each rank that holds a part of it, so every parameter of the
-    model counts once. ``plain`` gradients are added locally after the reduction. Collective over
-    ``group``. Example, world size 2, a shared unit sharded over both ranks (shard norms² 3 and 4)
-    and an expert per rank on a one-rank group (norms² 5 and 6)::
-
-        rank 0: 3 + 5, rank 1: 4 + 6 -> all-reduce: 18 on both -> norm sqrt(18) on both
-    """
-    p = norm_type
-    if not (p > 0):  # also NaN; -inf and p <= 0 are no norms of the concatenated gradients
-        raise ValueError(
-            f"clip_grad_norm_: norm_type must be > 0 (or math.inf), got {norm_type}; use 2.0 for the usual norm"
-        )
-    first_replica: dict[int, bool] = {}  # id(replicate group) -> this rank is its first
-    total = torch.zeros((), device=device)
-    for h in handles:
-        replicas = h.comm.replicate_group
-        if replicas is not None:
-            if id(replicas) not in first_replica:
-                first_replica[id(replicas)] = dist.get_rank(replicas) == 0
-            if not first_replica[id(replicas)]:
-                continue  # another rank counts this shard
-        grad = h.flat_param.grad
-        if grad is None or grad.numel() == 0:
-            continue
-        if p == math.inf:
-            total = torch.maximum(total, grad.detach().abs().max().float().to(device))
-        else:
-            total = total + (torch.linalg.vector_norm(grad.detach().float(), p) ** p).to(device)
-    if group is not None:
-        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-        all_reduce(total, group, op=op, stats=stats).wait()
-    for param in plain:
-        if param.grad is not None and param.grad.numel() > 0:
-            g = param.grad.detach()
-            value = (g.abs().max() if p == math.inf else torch.linalg.vector_norm(g.float(), p) ** p).float()
-            total = torch.maximum(total, value.to(device)) if p == math.inf else total + value.to(device)
-    norm = total if p == math.inf else total ** (1.0 / p)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [h.flat_param.grad for h in handles] + [param.grad for param in plain]
-    for grad in grads:
-        if grad is not None:
-            grad.detach().mul_(coef.to(grad.device, grad.dtype))
-    return norm
-
-
-def make_no_shard_bucketer(
-    items: Sequence[tuple[str, FlatParamHandle]], bucket_cap_mb: float, device: DeviceHandle, stats: CommStats
-) -> tuple[GradBucketer | None, dict[int, int]]:
-    """A bucket engine over the trainable NO_SHARD handles of ``items`` ((name, handle) pairs).
-
-    Buckets of about ``bucket_cap_mb`` are learned in the first backward (rank 0's layout wins);
-    each is all-reduced as soon as its last flat parameter's gradient is ready. Returns the engine
-    and ``id(handle) -> index``; ``(None, {})`` when there is nothing to bucket or the handles do not
-    share one replicate group and divide factor (each is then all-reduced on its own).
-    """
-    chosen = [
-        (name, h)
-        for name, h in items
-        # an offloaded CUDA handle keeps its gradient on the device until reduced (the engine's
-        # buckets live where the flat parameters are between steps: the host, which NCCL cannot send)
-        if h.requires_grad
-        and h.spec.world_size == 1
-        and h.comm.replicate_group is not None
-        and h.copies is None
-    ]
-    if not chosen:
-        return None, {}
-    group = chosen[0][1].comm.replicate_group
-    factors = (chosen[0][1].comm.gradient_predivide_factor, chosen[0][1].comm.gradient_postdivide_factor)
-    if any(
-        h.comm.replicate_group is not group
-        or (h.comm.gradient_predivide_factor, h.comm.gradient_postdivide_factor) != factors
-        for _, h in chosen
-    ):
-        return None, {}
-    assert group is not None
-    config = BucketConfig(
-        message_size=max(1, int(bucket_cap_mb * 2**20 / 4)),
-        gradient_predivide_factor=factors[0],
-        gradient_postdivide_factor=factors[1],
-    )
-    bucketer = GradBucketer(
-        [h.flat_param for _, h in chosen], [name for name, _ in chosen], group, config, device, stats=stats
-    )
-    return bucketer, {id(h): i for i, (_, h) in enumerate(chosen)}
-
-
 def free_unused_prefetches(handles: Sequence[FlatParamHandle]) -> None:
     """Free the full parameters of units prefetched but not run (a forward that skipped them)."""
     for h in handles:
         if h.prefetched:
             h.reshard(free_full=True)
-
-
-def finish_no_shard_buckets(bucketer: GradBucketer, index: dict[int, int], units: Sequence[Any]) -> None:
-    """Hand the bucket engine the flat parameters that got no gradient this backward (zeros stand in,
-    so every rank launches every bucket), then wait for every bucket. Runs before the end-of-backward
-    consistency check, which then reports a rank that skipped parameters the others reduced: the
-    buckets and the check share the data-parallel group, so the check's all-reduce must not meet a
-    bucket another rank sent."""
-    for unit in units:
-        for h in unit.handles:
-            i = index.get(id(h))
-            if i is not None and not h.reduced_this_backward:
-                bucketer.grad_ready(i)  # contributes zeros; a None gradient stays None
-    bucketer.finish_backward()

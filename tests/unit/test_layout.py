@@ -20,6 +20,7 @@ PKG = Path(__file__).resolve().parents[2] / "fsdp"
 ORDER = [
     "api", "_device", "_compile", "nest", "deferred_init", "guards", "flat_param", "sharding", "lost_ranks", "collectives", "consistency", "topology", "schedule", "buckets", "grad_hooks", "handle",
     "mixed_precision",
+    "clip_grad", "no_shard_buckets",
     "sharded_grad_scaler", "state_layout", "_wrapper_protocol", "state_local", "state_dict", "optim_fairscale", "optim_state", "shared_params", "_recompute", "checkpoint", "wrap", "data_parallel",
     "_offload_slice", "_offload_engine", "offload_model", "_state_methods", "_stats_methods", "_grad_methods", "_fairscale_attrs", "_summon_methods", "_direct_call", "_torch_compat", "_torch_methods", "_module_ops", "_construct", "_root_context", "fully_sharded", "dcp_state", "norm_wrap", "checkpoint_files", "_app_state", "checkpoint_io", "consolidate",
 ]  # fmt: skip
