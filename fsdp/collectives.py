@@ -9,11 +9,14 @@ torch 2.13 names (``all_gather_single`` / ``reduce_scatter_single``) and the old
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import enum
 import hashlib
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +151,7 @@ class Pending:
     kind: str = ""
     group: Any = None
     launched_in: tuple[str, str] = ("", "")
+    handed: tuple[torch.Tensor, ...] = ()  # the CPU aliases the backend holds (see _handed)
 
     @property
     def launched(self) -> bool:
@@ -164,11 +168,67 @@ class Pending:
                     raise
                 raise explained from e
             self.work = None
+            _retire(self.handed)
+            self.handed = ()
         if self.then is not None:
             self.output = self.then()
             self.then = None
         self.keep_alive = ()
         return self.output
+
+
+# [Note: gloo works at exit]
+# gloo runs each collective on a worker thread of its process group, and that thread drops its
+# reference to the work, and with it to the work's tensors, a moment after wait() has returned.
+# Dropping a tensor that has a Python object takes the GIL. A worker that gets there only after the
+# interpreter began finalizing (the program's last collective, on a loaded machine) is ended inside
+# a C++ destructor, and the process aborts ("terminate called without an active exception") after
+# the program itself finished: under torchrun the other ranks then wait at the exit barrier. So on
+# the CPU every tensor handed to a collective is an alias of its own (``detach()``: the same storage,
+# a tensor nothing else holds). Once the collective was waited for, a weak reference to each alias
+# is kept: an alias still alive is still held by a worker. At exit, before finalization, the
+# interpreter waits (GIL released, at most _EXIT_DRAIN_S) until none is.
+_EXIT_DRAIN_S = 2.0
+_retired: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _handed(tensor: torch.Tensor, handed: list[torch.Tensor]) -> torch.Tensor:
+    """What to give the backend instead of ``tensor``: on the CPU an alias, noted in ``handed``."""
+    if tensor.device.type != "cpu":
+        return tensor
+    alias = tensor.detach()
+    handed.append(alias)
+    return alias
+
+
+def _retire(handed: tuple[torch.Tensor, ...]) -> None:
+    for alias in handed:
+        key = id(alias)  # (unique while the alias lives; the callback runs before it is freed)
+        _retired[key] = weakref.ref(alias, _forget(key))
+
+
+def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
+        _retired.pop(key, None)
+
+    return forget
+
+
+def drain_worker_references(timeout: float = _EXIT_DRAIN_S) -> bool:
+    """Wait, GIL released, until no backend worker thread still holds a tensor of a collective this
+    process waited for (see [Note: gloo works at exit]). True when none does; run at exit."""
+    deadline = time.monotonic() + timeout
+    while _retired:
+        if time.monotonic() >= deadline:
+            log.warning(
+                "%d tensors of finished collectives are still held by a backend thread at exit", len(_retired)
+            )
+            return False
+        time.sleep(0.001)
+    return True
+
+
+atexit.register(drain_worker_references)
 
 
 def _explained(e: RuntimeError, kind: str, group: Any, launched_in: tuple[str, str]) -> RuntimeError:
@@ -209,12 +269,19 @@ def all_gather(
     if n == 1:
         output.copy_(shard.view_as(output))
         return Pending(None, output)
+    handed: list[torch.Tensor] = []
     if output.device.type == "cpu" and n <= _BROADCAST_GATHER_MAX_RANKS:
-        work: Any = _broadcast_gather(output, shard, group, n)
+        work: Any = _broadcast_gather(output, shard, group, n, handed)
     else:
-        work = _all_gather_fn(output, shard, group=group, async_op=True)
+        work = _all_gather_fn(_handed(output, handed), _handed(shard, handed), group=group, async_op=True)
     return Pending(
-        work, output, (shard,), kind=CollectiveKind.ALL_GATHER.value, group=group, launched_in=_activity
+        work,
+        output,
+        (shard,),
+        kind=CollectiveKind.ALL_GATHER.value,
+        group=group,
+        launched_in=_activity,
+        handed=tuple(handed),
     )
 
 
@@ -237,12 +304,16 @@ class _Works:
             work.wait()
 
 
-def _broadcast_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, n: int) -> _Works:
+def _broadcast_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, n: int, handed: list[torch.Tensor]
+) -> _Works:
     chunks = output.view(n, -1)
     chunks[dist.get_rank(group)].copy_(shard.view(-1))
     return _Works(
         [
-            dist.broadcast(chunks[i], src=dist.get_global_rank(group, i), group=group, async_op=True)
+            dist.broadcast(
+                _handed(chunks[i], handed), src=dist.get_global_rank(group, i), group=group, async_op=True
+            )
             for i in range(n)
         ]
     )
@@ -271,13 +342,14 @@ def reduce_scatter(
     if full.device.type == "cpu" and 1 < n <= _EXCHANGE_MAX_RANKS:
         return _exchange_reduce_scatter(output, full, group, n)
     if full.device.type == "cpu" and n > 1:
-        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        handed: list[torch.Tensor] = []
+        work = dist.all_reduce(_handed(full, handed), op=dist.ReduceOp.SUM, group=group, async_op=True)
         mine = full.view(n, -1)[dist.get_rank(group)]
 
         def copy_out() -> torch.Tensor:
             return mine.clone() if output is None else output.copy_(mine.view_as(output))
 
-        return Pending(work, mine, (full,), copy_out, _REDUCE_SCATTER, group, _activity)
+        return Pending(work, mine, (full,), copy_out, _REDUCE_SCATTER, group, _activity, tuple(handed))
     if output is None:
         output = full.new_empty(full.numel() // n)
     if n == 1:
@@ -344,8 +416,16 @@ def all_reduce(
         stats.record(CollectiveKind.ALL_REDUCE, tensor)
     if _size(group) == 1:
         return Pending(None, tensor)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return Pending(work, tensor, kind=CollectiveKind.ALL_REDUCE.value, group=group, launched_in=_activity)
+    handed: list[torch.Tensor] = []
+    work = dist.all_reduce(_handed(tensor, handed), op=op, group=group, async_op=True)
+    return Pending(
+        work,
+        tensor,
+        kind=CollectiveKind.ALL_REDUCE.value,
+        group=group,
+        launched_in=_activity,
+        handed=tuple(handed),
+    )
 
 
 def broadcast(
@@ -357,8 +437,16 @@ def broadcast(
     if _size(group) == 1:
         return Pending(None, tensor)
     src = dist.get_global_rank(group, src_group_rank)
-    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return Pending(work, tensor, kind=CollectiveKind.BROADCAST.value, group=group, launched_in=_activity)
+    handed: list[torch.Tensor] = []
+    work = dist.broadcast(_handed(tensor, handed), src=src, group=group, async_op=True)
+    return Pending(
+        work,
+        tensor,
+        kind=CollectiveKind.BROADCAST.value,
+        group=group,
+        launched_in=_activity,
+        handed=tuple(handed),
+    )
 
 
 _group_cache: dict[tuple[str, int, tuple[int, ...]], dist.ProcessGroup] = {}
@@ -504,8 +592,10 @@ def all_gather_ints(
         stats.record(CollectiveKind.ALL_GATHER, everyone)
     # one collective: for a few bytes the latency of a call is all there is (all_gather's broadcasts
     # for a few ranks pay it once per rank)
-    work = _all_gather_fn(everyone, mine, group=group, async_op=True)
-    Pending(work, everyone, (mine,), None, CollectiveKind.ALL_GATHER.value, group, _activity).wait()
+    handed: list[torch.Tensor] = []
+    work = _all_gather_fn(_handed(everyone, handed), _handed(mine, handed), group=group, async_op=True)
+    kind = CollectiveKind.ALL_GATHER.value
+    Pending(work, everyone, (mine,), None, kind, group, _activity, tuple(handed)).wait()
     return [tuple(row) for row in everyone.view(world, len(values)).tolist()]
 
 

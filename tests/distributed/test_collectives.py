@@ -135,3 +135,56 @@ def test_cached_groups_of_the_world_a_subgroup_and_a_shard_group(pool: RankPool)
         assert r["world_is_new"] and r["world_ranks"] == [0, 1, 2, 3] and r["world_sum"] == 4.0, r
         assert r.get("sub_is_itself", rank >= 2), r
         assert r["twin_is_new"] and r["twin_sum"] == (1.0 if rank < 2 else 5.0), r
+
+
+def _handed_to_the_backend(max_ranks: int) -> dict[str, object]:
+    """Every CPU collective gives the backend aliases of the caller's tensors (the same storage),
+    none of which a backend thread still holds once the collectives were waited for and drained
+    (see [Note: gloo works at exit])."""
+    group = dist.group.WORLD
+    assert group is not None
+    world = dist.get_world_size()
+    seen: list[tuple[int, int]] = []  # (id, data_ptr) of what dist received: no reference kept
+    real = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
+
+    def spy(name: str) -> object:
+        def call(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            seen.append((id(tensor), tensor.data_ptr()))
+            return real[name](tensor, *args, **kwargs)
+
+        return call
+
+    t = torch.ones(6)
+    out = torch.zeros(6 * world)
+    for name in real:
+        setattr(dist, name, spy(name))
+    saved = fsdp.collectives._EXCHANGE_MAX_RANKS, fsdp.collectives._BROADCAST_GATHER_MAX_RANKS
+    fsdp.collectives._EXCHANGE_MAX_RANKS = fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = max_ranks
+    try:
+        fsdp.collectives.all_reduce(t, group).wait()
+        fsdp.collectives.broadcast(t, 0, group).wait()
+        fsdp.collectives.all_gather(out, t, group).wait()
+        fsdp.collectives.reduce_scatter(None, out.clone(), group).wait()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+        fsdp.collectives._EXCHANGE_MAX_RANKS, fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = saved
+    return {
+        "calls": len(seen),
+        "aliases": all(i not in (id(t), id(out)) for i, _ in seen),
+        "same_storage": seen[0][1] == t.data_ptr() and seen[1][1] == t.data_ptr(),
+        "drained": fsdp.collectives.drain_worker_references(timeout=10.0),
+        "left": len(fsdp.collectives._retired),
+        "sum": t.sum().item(),
+    }
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("max_ranks", [0, 4])
+def test_collectives_hand_the_backend_aliases_that_are_let_go(pool: RankPool, max_ranks: int) -> None:
+    for r in pool.run(_handed_to_the_backend, max_ranks):
+        # all-reduce, broadcast, then one broadcast per rank for the all-gather (few ranks) or one
+        # all-reduce for the reduce-scatter (the other paths: gloo's all-gather, point-to-point)
+        assert r["calls"] == (2 + pool.world_size if max_ranks else 3), r
+        assert r["aliases"] and r["same_storage"] and r["drained"] and r["left"] == 0, r
+        assert r["sum"] == 6.0 * pool.world_size, r
