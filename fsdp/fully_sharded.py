@@ -479,9 +479,11 @@ class FullyShardedDataParallel(
     def _adopt_attached(self, where: str) -> None:
         """Ignore the modules attached inside this wrapper after wrapping (torch's skip idiom)."""
         is_wrapper: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        found = attached_after_wrapping(self.module, is_wrapper, self._paths_at_wrap, self._ignored)
+        found = attached_after_wrapping(
+            self._fsdp_wrapped_module, is_wrapper, self._paths_at_wrap, self._ignored
+        )
         if found:
-            self._ignored = adopt_attached(self._ignored, found, self.module, where)
+            self._ignored = adopt_attached(self._ignored, found, self._fsdp_wrapped_module, where)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -511,7 +513,7 @@ class FullyShardedDataParallel(
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
         full = full_precision_in_eval(
-            self._torch_options, precision.mixed, self.module.training, grad_enabled
+            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training, grad_enabled
         )
         if not full:
             args, kwargs = self._cast_forward_inputs(args, kwargs)
@@ -536,7 +538,7 @@ class FullyShardedDataParallel(
                     if token is not None:
                         h.accumulators.note(token)
             if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
-                opened.buffers = buffers_in_dtypes(self.module, self._buffer_dtypes)
+                opened.buffers = buffers_in_dtypes(self._fsdp_wrapped_module, self._buffer_dtypes)
                 opened.buffers.__enter__()
         except BaseException:
             self._end_forward(opened)

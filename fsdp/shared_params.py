@@ -98,7 +98,7 @@ def _release(
     assert value is not None, f"{fqn} is not in the flat parameters of the wrapper at {path!r}"
     # an optimizer built over the old flat parameters would step on nothing: its step refuses them
     mark_flattened((_join(path, f"flat_param_{i}"), h.flat_param) for i, h in enumerate(owner.handles))
-    owned, module_of, _ = collect_owned(owner.module, is_wrapper, owner._ignored)
+    owned, module_of, _ = collect_owned(owner._fsdp_wrapped_module, is_wrapper, owner._ignored)
     owner._build_handles(owned, module_of)
     del owner._original_params[id(param)]
     owner._original_names.pop(id(param), None)

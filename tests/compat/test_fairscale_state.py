@@ -17,6 +17,7 @@ from torch import nn
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy
 from fsdp.collectives import hybrid_groups
+from tests.checkpointing import scramble_
 from tests.rank_pool import RankPool
 
 
@@ -663,7 +664,10 @@ def _siblings(outer_flat: bool, inner_flat: bool) -> dict[str, dict[str, float]]
             if sharing == "bias" and not bias:
                 continue  # (fairscale skips it too)
             model = FSDP(Siblings(bias, sharing, True, inner_flat), flatten_parameters=outer_flat)
-            out[f"{sharing}, bias={bias}"] = _train_beside(Siblings(bias, sharing), model, data)
+            ref = Siblings(bias, sharing)
+            scramble_(model)  # then the plain model's state loaded, as fairscale's test does
+            model.load_state_dict(ref.state_dict())
+            out[f"{sharing}, bias={bias}"] = _train_beside(ref, model, data)
     return out
 
 
@@ -681,7 +685,10 @@ def test_fairscales_shared_weights_between_sibling_wrappers(
 def _mevo(wrap_middle: str) -> dict[str, float]:
     data = torch.randint(0, 13, (2 * dist.get_world_size(), 4), generator=torch.Generator().manual_seed(5))
     model = FSDP(Mevo(True, wrap_middle), flatten_parameters=False)
-    return _train_beside(Mevo(), model, data, loss=lambda y: y)  # (the model returns its loss)
+    ref = Mevo()
+    scramble_(model)  # then the plain model's state loaded, as fairscale's test does
+    model.load_state_dict(ref.state_dict())
+    return _train_beside(ref, model, data, loss=lambda y: y)  # (the model returns its loss)
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
