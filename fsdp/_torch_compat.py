@@ -11,7 +11,6 @@ says so.
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -40,8 +39,6 @@ __all__ = [
     "without_own_precision",
     "wrap_children_with_policy",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def torch_fsdp_options(
@@ -381,10 +378,12 @@ def wrap_children_with_policy(
     full_precision = own_precision_modules(module, None, mp, ignored)
     if isinstance(mp, MixedPrecision) and full_precision:
         classes = tuple(set(mp._module_classes_to_ignore))
-        log.info(
-            "FullyShardedDataParallel: modules of %s get wrappers of their own in full precision "
-            "(MixedPrecision._module_classes_to_ignore)",
-            sorted({type(m).__name__ for m in full_precision}),
+        warnings.warn(  # (torch warns here too)
+            f"FullyShardedDataParallel: modules of {sorted({type(m).__name__ for m in full_precision})} get "
+            "wrappers of their own in full precision (MixedPrecision._module_classes_to_ignore); pass "
+            "_module_classes_to_ignore=() to keep them in their units' precision",
+            UserWarning,
+            stacklevel=3,
         )
         fp32_options = {**options, "mixed_precision": None}
         wrap_children(
