@@ -378,9 +378,10 @@ def wrap_children_with_policy(
     full_precision = own_precision_modules(module, None, mp, ignored)
     if isinstance(mp, MixedPrecision) and full_precision:
         classes = tuple(set(mp._module_classes_to_ignore))
-        warnings.warn(  # (torch warns here too)
-            f"FullyShardedDataParallel: modules of {sorted({type(m).__name__ for m in full_precision})} get "
-            "wrappers of their own in full precision (MixedPrecision._module_classes_to_ignore); pass "
+        warnings.warn(  # (torch warns here too; its second sentence kept, which filters may match)
+            f"FullyShardedDataParallel: mixed precision with an auto_wrap_policy, over modules of "
+            f"{sorted({type(m).__name__ for m in full_precision})} (MixedPrecision._module_classes_to_ignore). "
+            "These modules will be wrapped as separate FSDP instances with mixed precision disabled; pass "
             "_module_classes_to_ignore=() to keep them in their units' precision",
             UserWarning,
             stacklevel=3,

@@ -131,7 +131,11 @@ def _batch_norm_apart(ignore: tuple[type, ...] | None) -> dict[str, Any]:
     diffs = compare_training(ref, model, _vec, _loss, steps=2)
     bn = model.module.bn
     return {
-        "warned": any("full precision" in str(w.message) and "BatchNorm1d" in str(w.message) for w in caught),
+        "warned": any(
+            "These modules will be wrapped as separate FSDP" in str(w.message)
+            and "BatchNorm1d" in str(w.message)
+            for w in caught
+        ),
         "wrapped": isinstance(bn, FSDP),
         "mixed": bn.mixed_precision if isinstance(bn, FSDP) else None,
         "stats": (bn.module if isinstance(bn, FSDP) else bn).running_mean.dtype,
