@@ -100,12 +100,15 @@ def resolve_precision(
             force_input_to_fp32=force_input_to_fp32,
             clear_autocast_cache=clear_autocast_cache,
         )
-    for fqn, p in owned:
-        if p.dtype != torch.float32:
+    for (
+        fqn,
+        p,
+    ) in owned:  # the parameters' own dtype is the master dtype (fp64 kept, as torch and fairscale do)
+        if p.dtype not in (torch.float32, torch.float64):
             raise ValueError(
-                f"FullyShardedDataParallel: mixed precision keeps fp32 master weights, but parameter {fqn!r} is "
-                f"{p.dtype}. Convert the module with .float() before wrapping (integer parameters cannot be used "
-                "with mixed precision; register them as buffers instead)"
+                f"FullyShardedDataParallel: mixed precision keeps fp32 (or fp64) master weights, but parameter "
+                f"{fqn!r} is {p.dtype}. Convert the module with .float() before wrapping (integer parameters "
+                "cannot be used with mixed precision; register them as buffers instead)"
             )
     return PrecisionConfig(
         param_dtype=mp.param_dtype,

@@ -210,11 +210,14 @@ def test_low_precision_all_gather_moves_half_the_bytes(pool: RankPool) -> None:
         assert all(2 * lo == hi for lo, hi in zip(low, fp32)), (low, fp32)
 
 
-def _numerics(fp32_reduce_scatter: bool, forwards: int = 1) -> dict[str, float]:
+def _numerics(
+    fp32_reduce_scatter: bool, forwards: int = 1, master_dtype: torch.dtype = F32
+) -> dict[str, float]:
     """FSDP bf16 vs a hand-made reference: fp32 master copy, bf16 compute on each rank's slice,
     gradient sum (in bf16, or fp32) with the same pre/post division, SGD on the fp32 master. With
     ``forwards=2`` each rank's slice goes through the model in two forwards before one backward
-    (see [Note: gradient accumulators] in fsdp/grad_hooks.py)."""
+    (see [Note: gradient accumulators] in fsdp/grad_hooks.py). With fp64 masters (kept as torch's
+    MixedPrecision keeps them, which also casts the fp64 inputs) the reference's master is fp64."""
 
     def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return sum((m(part).float().pow(2).mean() for part in x.chunk(forwards)), torch.zeros(()))
@@ -222,9 +225,16 @@ def _numerics(fp32_reduce_scatter: bool, forwards: int = 1) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    base = base.to(master_dtype)
     master, fp32 = copy.deepcopy(base), copy.deepcopy(base)
     net = copy.deepcopy(base)
-    kwargs = {"mixed_precision": True, "compute_dtype": BF16, "fp32_reduce_scatter": fp32_reduce_scatter}
+    kwargs: dict[str, Any] = {
+        "mixed_precision": True,
+        "compute_dtype": BF16,
+        "fp32_reduce_scatter": fp32_reduce_scatter,
+    }
+    if master_dtype != F32:
+        kwargs = {"mixed_precision": MixedPrecision(BF16, F32 if fp32_reduce_scatter else None)}
     net[2] = FSDP(net[2], **kwargs)
     model = FSDP(net, **kwargs)
     pre = model.fsdp_config.comm.gradient_predivide_factor
@@ -234,7 +244,7 @@ def _numerics(fp32_reduce_scatter: bool, forwards: int = 1) -> dict[str, float]:
     fp32_opt = torch.optim.SGD(fp32.parameters(), lr=0.5)
     per = 4
     for step in range(4):
-        x = torch.randn(per * world, 8, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(per * world, 8, generator=torch.Generator().manual_seed(step)).to(master_dtype)
         loss(model, x[rank * per : (rank + 1) * per]).backward()
         opt.step()
         opt.zero_grad()
@@ -247,28 +257,37 @@ def _numerics(fp32_reduce_scatter: bool, forwards: int = 1) -> dict[str, float]:
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
         assert total is not None
         for p, g in zip(master.parameters(), total):
-            p.grad = (g / post).float()
+            p.grad = (g / post).to(master_dtype)
         master_opt.step()
         sum(loss(fp32, x[r * per : (r + 1) * per]) for r in range(world)).div(world).backward()
         fp32_opt.step()
         fp32_opt.zero_grad()
     sd = model.state_dict()
     return {
+        "dtypes": sorted({str(v.dtype) for v in sd.values()} | {str(p.dtype) for p in model.parameters()}),
         "vs_reference": max((sd[k] - v).abs().max().item() for k, v in master.state_dict().items()),
         "vs_fp32": max((sd[k] - v).abs().max().item() for k, v in fp32.state_dict().items()),
     }
 
 
 @pytest.mark.parametrize(
-    ("pool", "fp32_reduce_scatter", "forwards"),
+    ("pool", "fp32_reduce_scatter", "forwards", "master_dtype"),
     # in bf16 the sum's rounding depends on the order gloo adds in: unambiguous only for 2 ranks
-    [(2, False, 1), (2, True, 1), (3, True, 1), (2, False, 2)],
+    [
+        (2, False, 1, F32),
+        (2, True, 1, F32),
+        (3, True, 1, F32),
+        (2, False, 2, F32),
+        (2, False, 1, torch.float64),
+        (2, True, 1, torch.float64),
+    ],
     indirect=["pool"],
 )
 def test_bf16_numerics_match_a_hand_made_mixed_precision_reference(
-    pool: RankPool, fp32_reduce_scatter: bool, forwards: int
+    pool: RankPool, fp32_reduce_scatter: bool, forwards: int, master_dtype: torch.dtype
 ) -> None:
-    for r in pool.run(_numerics, fp32_reduce_scatter, forwards):
+    for r in pool.run(_numerics, fp32_reduce_scatter, forwards, master_dtype):
+        assert r["dtypes"] == [str(master_dtype)], "the masters and the state dict keep their dtype"
         assert r["vs_reference"] <= 1e-3, r
         assert r["vs_fp32"] >= 1e-4, f"low precision was not really used: {r}"
         assert r["vs_reference"] * 10 <= r["vs_fp32"], r
@@ -374,10 +393,9 @@ def _invalid(kwargs: dict[str, Any], dtype: torch.dtype) -> str:
         ),
         (
             {"mixed_precision": True},
-            torch.float64,
-            "ValueError: .*fp32 master weights.*float64.*\\.float\\(\\)",
+            F16,
+            "ValueError: .*fp32 \\(or fp64\\) master weights.*float16.*\\.float\\(\\)",
         ),
-        ({"mixed_precision": True}, F16, "ValueError: .*fp32 master weights.*float16"),
         (
             {"compute_dtype": BF16},
             F32,
