@@ -249,11 +249,15 @@ def _ignored_by_inner(
 ) -> bool:
     """Check one ignored module; True when an inner wrapper already ignores it (nothing left to do)."""
     name = f"{type(root).__name__}"
-    if root is module:
-        raise ValueError(
-            f"FullyShardedDataParallel: `{arg}` holds the wrapped module itself ({name}); nothing would be left "
-            "to shard. Do not wrap it, or ignore only some of its submodules"
+    if root is module:  # (torch's reading: warned, and every parameter of the module is left alone)
+        warnings.warn(
+            f"FullyShardedDataParallel: `{arg}` holds the wrapped module itself ({name}): none of its parameters "
+            "is sharded, and the wrapper only passes calls through. Do not wrap the module, or ignore only some "
+            "of its submodules",
+            UserWarning,
+            stacklevel=6,  # (the user's call of the constructor)
         )
+        return False
     path, above = where.get(id(root), ("<outside the wrapped module>", None))
     if is_wrapper(root):
         raise ValueError(

@@ -171,10 +171,6 @@ def _errors() -> dict[str, str]:
         model.layer1 = FSDP(model.layer1)  # type: ignore[assignment]
         FSDP(model, ignored_modules=[model.layer1])
 
-    def the_root() -> None:
-        model = Model()
-        FSDP(model, ignored_modules=[model])
-
     def parameters_as_modules() -> None:
         model = Model()
         FSDP(model, ignored_modules=list(model.layer1[1].parameters()))
@@ -195,11 +191,9 @@ def _errors() -> dict[str, str]:
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_what_stays_refused(pool: RankPool) -> None:
-    """A wrapper cannot be ignored (as torch); the wrapped module itself is refused (torch warns and
-    manages nothing: do not wrap it instead); wrong types and both arguments (as torch)."""
+    """A wrapper cannot be ignored (as torch); wrong types and both arguments (as torch)."""
     for r in pool.run(_errors):
         assert r["a_wrapper"].startswith("ValueError") and "a wrapper cannot be ignored" in r["a_wrapper"]
-        assert r["the_root"].startswith("ValueError") and "the wrapped module itself" in r["the_root"]
         assert (
             r["parameters_as_modules"].startswith("ValueError") and "nn.Modules" in r["parameters_as_modules"]
         )
@@ -231,3 +225,39 @@ def test_ranks_that_build_different_models_fail_together(pool: RankPool, by: str
     for message in pool.run(_different_per_rank, by):
         assert message.startswith("ValueError") and "different" in message, message
         assert "7 parameters" in message and "8 parameters" in message, message
+
+
+def _the_wrapped_module_itself() -> dict[str, Any]:
+    """torch's ``test_ignored_modules_invalid`` and the state-dict tests' ``ignore_inner``: a wrapper
+    told to ignore the module it wraps warns and leaves every parameter alone; nested in an outer
+    wrapper, the model trains and saves as the plain one does (the ignored parameters on each rank's
+    own gradients, as torch)."""
+    import warnings
+
+    ref = Model()
+    model = Model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.layer1 = FSDP(model.layer1, ignored_modules=[model.layer1])  # type: ignore[assignment]
+    inner = model.layer1
+    wrapped = FSDP(model)
+    data = torch.randn(4, 3, generator=torch.Generator().manual_seed(dist.get_rank()))
+    same_output = torch.equal(wrapped(data), ref(data))
+    sd, plain = wrapped.state_dict(), ref.state_dict()
+    return {
+        "warned": any("wrapped module itself" in str(w.message) for w in caught),
+        "inner_manages": _managed(inner),
+        "left_alone": all(p is q for p, q in zip(inner.parameters(), inner.module.parameters(), strict=True))
+        and sum(1 for _ in inner.parameters()) == 6,
+        "same_output": same_output,
+        "same_state": list(sd) == list(plain) and all(torch.equal(sd[k], v) for k, v in plain.items()),
+        "losses": _train(wrapped),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_ignoring_the_wrapped_module_itself_leaves_it_alone(pool: RankPool) -> None:
+    for r in pool.run(_the_wrapped_module_itself):
+        assert r["warned"] and r["inner_manages"] == 0 and r["left_alone"], r
+        assert r["same_output"] and r["same_state"], r
+        assert all(math.isfinite(v) for v in r["losses"]), r

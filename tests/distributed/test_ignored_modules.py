@@ -514,4 +514,4 @@ def test_mistakes_are_refused_with_clear_errors(pool: RankPool) -> None:
         assert r["both"].startswith("ValueError") and "not both" in r["both"]
         assert r["mixed"].startswith("ValueError") and "all nn.Parameters or all nn.Modules" in r["mixed"]
         assert r["tied"].startswith("ValueError") and "blocks.0.fc.weight" in r["tied"]
-        assert r["itself"].startswith("ValueError") and "wrapped module itself" in r["itself"]
+        assert r["itself"] == "no error", "torch's reading: a warning, and nothing sharded (tests/compat)"
