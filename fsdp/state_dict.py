@@ -146,7 +146,9 @@ def sharded_state_dict(layout: Layout) -> dict[str, torch.Tensor]:
     this rank's plain tensor, and every persistent buffer (original dtype), keyed by name in the
     unwrapped model. Collective. See [Note: sharded state dict layout].
 
-    A tied parameter appears once, under its first name. Values are copies.
+    A tied parameter appears once, under its first name. The ignored parameters, and the buffers kept
+    in their original dtype, are the module's own tensors (detached), as in ``state_dict()`` and in
+    torch FSDP1; the rest are copies.
     """
     mesh = layout.mesh()
     out: dict[str, torch.Tensor] = {}
@@ -156,9 +158,9 @@ def sharded_state_dict(layout: Layout) -> dict[str, torch.Tensor]:
             out[slot.name] = to_sharded(slot.view(full), layout, mesh, h.shard_device)
         del full
     for s in layout.ignored:
-        out[s.name] = s.param.detach().clone()
+        out[s.name] = s.param.detach()
     for b in layout.buffers:
-        out[b.name] = b.tensor.detach().to(b.dtype, copy=True)
+        out[b.name] = b.tensor.detach().to(b.dtype)
     return {k: out[k] for k in layout.keys if k in out}
 
 

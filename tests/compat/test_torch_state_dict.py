@@ -287,3 +287,29 @@ def _rank0_save_then_sync() -> bool:
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_rank0_save_and_sync_module_states_flow(pool: RankPool) -> None:
     assert pool.run(_rank0_save_then_sync) == [True, True]
+
+
+def _ignored_entries(kind: str) -> dict[str, bool]:
+    """torch's ``test_state_dict_with_ignored_modules``: the entries of ignored parameters and of
+    buffers kept in their own dtype are the module's own tensors in every state-dict type."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for m in model:
+        m.register_buffer("buffer", torch.randn(3))
+    kinds = {
+        "full": torch_fsdp.StateDictType.FULL_STATE_DICT,
+        "sharded": torch_fsdp.StateDictType.SHARDED_STATE_DICT,
+    }
+    wrapped = FSDP(model, ignored_modules=[model[1]])
+    with FSDP.state_dict_type(wrapped, kinds[kind]):
+        sd = wrapped.state_dict()
+    own = {"1.weight": model[1].weight, "1.bias": model[1].bias, "0.buffer": model[0].buffer}
+    own["1.buffer"] = model[1].buffer
+    return {name: sd[name].data_ptr() == t.data_ptr() for name, t in own.items()}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_ignored_parameters_and_buffers_are_the_modules_own_tensors(pool: RankPool, kind: str) -> None:
+    for shared in pool.run(_ignored_entries, kind):
+        assert all(shared.values()), shared
