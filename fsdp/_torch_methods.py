@@ -512,12 +512,14 @@ class TorchFSDPMethods(WrapperMixin):
         }
 
     @staticmethod
+    @collective("flatten_sharded_optim_state_dict()", owner="model")
     def flatten_sharded_optim_state_dict(
         sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """torch FSDP1's deprecated reader of its ``ShardedTensor`` optimizer state: not supported."""
-        raise NotImplementedError(
-            "FullyShardedDataParallel.flatten_sharded_optim_state_dict (deprecated in torch) is not supported. Load "
-            "a sharded optimizer state with FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd) under "
-            "StateDictType.SHARDED_STATE_DICT, or model.load_sharded_optim_state_dict(optim, osd)"
-        )
+        """torch FSDP1's deprecated reader of :meth:`sharded_optim_state_dict` (saved at any world
+        size): what ``optim.load_state_dict`` takes. As :meth:`optim_state_dict_to_load` under
+        ``SHARDED_STATE_DICT`` does, the state is loaded into ``optim`` too. Collective."""
+        whole = WholeModel(model, "flatten_sharded_optim_state_dict", None)
+        optim_impl.load_sharded_optim_state_dict(whole.layout(), optim, sharded_optim_state_dict)
+        loaded: dict[str, Any] = optim.state_dict()
+        return loaded

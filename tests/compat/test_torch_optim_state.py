@@ -433,3 +433,38 @@ def test_ranks_may_list_the_parameters_in_different_orders(pool: RankPool, two: 
     """Collectives run in the model's order, so each rank's optimizer may order its parameters its own way."""
     for r in pool.run(_reversed_on_rank_1, two):
         assert r["diff"] < 1e-6 and r["unchanged"], r
+
+
+def _flattened_sharded(alt: bool) -> dict[str, Any]:
+    """torch's ``test_flatten_sharded_optim_state_dict_nested``: the deprecated sharded pair
+    (``sharded_optim_state_dict`` then ``flatten_sharded_optim_state_dict`` into another wrap plan)
+    gives what the full pair (``full_optim_state_dict`` then ``shard_full_optim_state_dict``) gives."""
+    model1 = _wrap(Nested())
+    optim1 = torch.optim.Adam(model1.groups(False), lr=0.01)
+    _train(model1, optim1)
+    sharded = FSDP.sharded_optim_state_dict(model1, optim1)
+    full = FSDP.full_optim_state_dict(model1, optim1, rank0_only=False)
+    model2 = _wrap(Nested(), alt=alt)
+    optim2 = torch.optim.Adam(model2.groups(False), lr=0.01)
+    flattened = FSDP.flatten_sharded_optim_state_dict(sharded, model2, optim2)
+    expected = FSDP.shard_full_optim_state_dict(full, model2, optim=optim2)
+    same = flattened["state"].keys() == expected["state"].keys() and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(expected["state"][i][k]))
+        for i, e in flattened["state"].items()
+        for k, v in e.items()
+    )
+    optim2.load_state_dict(flattened)
+    reloaded = FSDP.full_optim_state_dict(model2, optim2, rank0_only=False)
+    diff = max(
+        (torch.as_tensor(v).float() - torch.as_tensor(full["state"][n][k]).float()).abs().max().item()
+        for n, e in reloaded["state"].items()
+        for k, v in e.items()
+    )
+    return {"same": same, "entries": len(flattened["state"]), "diff": diff}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("alt", [False, True])
+def test_flatten_sharded_optim_state_dict_equals_the_full_path(pool: RankPool, alt: bool) -> None:
+    for r in pool.run(_flattened_sharded, alt):
+        assert r["same"] and r["entries"] > 0 and r["diff"] == 0.0, r

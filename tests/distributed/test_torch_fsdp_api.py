@@ -374,10 +374,7 @@ def _roots_and_refusals() -> dict[str, Any]:
     before = model.is_root
     roots = [model.check_is_root(), net[0].check_is_root()]
     refused = []
-    for call in (
-        lambda: model.register_comm_hook(None, lambda *a: None),
-        lambda: FSDP.flatten_sharded_optim_state_dict({}, model, torch.optim.SGD(model.parameters(), lr=0.1)),
-    ):
+    for call in (lambda: model.register_comm_hook(None, lambda *a: None),):
         try:
             call()
         except NotImplementedError as e:
@@ -389,10 +386,7 @@ def _roots_and_refusals() -> dict[str, Any]:
 def test_check_is_root_and_torchs_unsupported_methods(pool: RankPool) -> None:
     for r in pool.run(_roots_and_refusals):
         assert r["before"] is None and r["roots"] == [True, False], r
-        assert r["refused"] == [
-            "FullyShardedDataParallel.register_comm_hook",
-            "FullyShardedDataParallel.flatten_sharded_optim_state_dict (deprecated in torch)",
-        ], r
+        assert r["refused"] == ["FullyShardedDataParallel.register_comm_hook"], r
 
 
 def _bad_calls() -> list[str]:
