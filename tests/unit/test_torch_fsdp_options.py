@@ -287,7 +287,7 @@ def test_a_failing_auto_wrap_call_leaves_the_model_as_it_was(single_rank_group: 
     if where == "last child":
         net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2).half())
     before = {name: (p, p.detach().clone()) for name, p in net.named_parameters()}
-    with pytest.raises(ValueError, match="mixed precision keeps fp32 master weights"):
+    with pytest.raises(ValueError, match=r"mixed precision keeps fp32 \(or fp64\) master weights"):
         FSDP(net, auto_wrap_policy=fsdp.transformer_auto_wrap_policy({nn.Linear}), mixed_precision=True)
     assert not any(isinstance(m, FSDP) for m in net.modules())
     after = dict(net.named_parameters())
