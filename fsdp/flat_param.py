@@ -20,9 +20,9 @@ views of the flat parameter while it is unsharded (forward, backward) and, insid
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -164,7 +164,8 @@ def unflatten_views(
 # or ``layer.weight.requires_grad_(False)`` between steps would act on the stand-in and be ignored
 # silently. A call of a module (the wrapped one or one below it) gathers its unit first, so the
 # stand-ins meet only operations outside any call (See [Note: calls past the wrapper] in
-# fsdp/_direct_call.py).
+# fsdp/_direct_call.py). Setting requires_grad is passed on where the parameter is a flat parameter
+# of its own (use_orig_params): torch's staged unfreezing through module attributes.
 _METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "layout", "grad", "grad_fn", "is_leaf"}
     | {"is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "names", "itemsize", "nbytes"}
@@ -198,6 +199,7 @@ class _ShardedPlaceholder(torch.Tensor):
     """See [Note: sharded placeholders]."""
 
     _fsdp_name: str
+    _fsdp_owner: Callable[[], torch.Tensor | None] | None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -207,6 +209,10 @@ class _ShardedPlaceholder(torch.Tensor):
         if metadata or (func is torch.Tensor.type and len(args) == 1 and not kwargs):  # (.type(): a name)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if (func.__name__ == "__set__" and attr == "requires_grad") or func is torch.Tensor.requires_grad_:
+            changed = _set_requires_grad(args, kwargs or {})
+            if changed is not None:
+                return changed
         name = next((a._fsdp_name for a in args if isinstance(a, _ShardedPlaceholder)), "a parameter")
         what = {"__set__": f"setting .{attr}", "__get__": f"reading .{attr}"}.get(
             func.__name__, f"{func.__name__}()"
@@ -241,12 +247,38 @@ def resharded_in_backward(what: str) -> str:
     )
 
 
-def make_placeholder(name: str, shape: torch.Size, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
-    """A stand-in for the sharded parameter ``name``. See [Note: sharded placeholders]."""
+def make_placeholder(
+    name: str,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    requires_grad: bool,
+    owner: Callable[[], torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """A stand-in for the sharded parameter ``name``. See [Note: sharded placeholders]. ``owner``
+    gives the flat parameter that holds this parameter alone (``use_orig_params`` /
+    ``flatten_parameters=False``): setting ``requires_grad`` on the stand-in sets it there."""
     data = torch.empty(shape, dtype=dtype, device="meta")
     placeholder = torch.Tensor._make_subclass(_ShardedPlaceholder, data, requires_grad)
     placeholder._fsdp_name = name
+    placeholder._fsdp_owner = owner
     return placeholder
+
+
+def _set_requires_grad(args: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """``placeholder.requires_grad = flag`` / ``placeholder.requires_grad_(flag)`` between steps, on a
+    parameter that is a flat parameter of its own: set on that flat parameter (torch's staged
+    unfreezing through module attributes), the stand-in following. None where it cannot be (several
+    parameters share the flat parameter): the caller refuses."""
+    placeholder = args[0]
+    owner = placeholder._fsdp_owner
+    flat = owner() if owner is not None else None
+    if flat is None:
+        return None
+    flag = bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+    flat.requires_grad_(flag)
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.requires_grad_(placeholder, flag)
+    return cast(torch.Tensor, placeholder)
 
 
 def is_placeholder(value: Any) -> bool:

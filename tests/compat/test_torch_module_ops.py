@@ -203,8 +203,18 @@ def test_cuda_after_wrapping_a_cpu_model_trains_on_the_gpu() -> None:
 _STAGES = [("inp", "body"), ("inp", "body"), ("inp",), (), ("out",)]
 
 
-def _staged_unfreezing(strategy: str) -> dict[str, Any]:
-    """torch's use_orig_params=True idiom: per-parameter requires_grad, changed between steps."""
+def _attribute(model: nn.Module, name: str) -> Any:
+    """``model.a.0.b`` as user code reaches it (attributes and indexing through the wrappers)."""
+    obj: Any = model
+    for part in name.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _staged_unfreezing(strategy: str, via: str = "named_parameters") -> dict[str, Any]:
+    """torch's use_orig_params=True idiom: per-parameter requires_grad, changed between steps, through
+    ``named_parameters()`` or through the modules' attributes (``model.net[0].weight.requires_grad =
+    flag``, torch's ``test_no_grad``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = build("nested")
     ref.inp.requires_grad_(False)  # frozen when wrapped too, trained from the fourth step
@@ -219,8 +229,12 @@ def _staged_unfreezing(strategy: str) -> dict[str, Any]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     gaps, norms, frozen_grads = [], [], []
     for step, frozen in enumerate(_STAGES):
-        for m in (model, ref):
-            for name, p in m.named_parameters():
+        for name, p in ref.named_parameters():
+            p.requires_grad_(not name.startswith(frozen))
+            if via == "attributes":
+                _attribute(model, name).requires_grad = not name.startswith(frozen)
+        if via == "named_parameters":
+            for name, p in model.named_parameters():
                 p.requires_grad_(not name.startswith(frozen))
         x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(step))
         model(x[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
@@ -248,9 +262,20 @@ def _staged_unfreezing(strategy: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-def test_staged_unfreezing_with_use_orig_params_matches_a_plain_model(pool: RankPool, strategy: str) -> None:
-    for r in pool.run(_staged_unfreezing, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "via"),
+    [
+        ("FULL_SHARD", "named_parameters"),
+        ("SHARD_GRAD_OP", "named_parameters"),
+        ("NO_SHARD", "named_parameters"),
+        ("FULL_SHARD", "attributes"),
+        ("NO_SHARD", "attributes"),
+    ],
+)
+def test_staged_unfreezing_with_use_orig_params_matches_a_plain_model(
+    pool: RankPool, strategy: str, via: str
+) -> None:
+    for r in pool.run(_staged_unfreezing, strategy, via):
         assert max(r["grad"]) <= 1e-5 and r["param"] <= 1e-5 and r["state"] <= 1e-5, r
         assert max(r["norm"]) <= 1e-5, "clip_grad_norm_ covers the parameters trainable now"
         assert r["frozen_grads"] == [[]] * len(_STAGES), "a frozen parameter gets no gradient"
