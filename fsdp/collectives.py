@@ -418,14 +418,7 @@ def all_reduce(
         return Pending(None, tensor)
     handed: list[torch.Tensor] = []
     work = dist.all_reduce(_handed(tensor, handed), op=op, group=group, async_op=True)
-    return Pending(
-        work,
-        tensor,
-        kind=CollectiveKind.ALL_REDUCE.value,
-        group=group,
-        launched_in=_activity,
-        handed=tuple(handed),
-    )
+    return _in_place(work, tensor, CollectiveKind.ALL_REDUCE, group, handed)
 
 
 def broadcast(
@@ -439,14 +432,14 @@ def broadcast(
     src = dist.get_global_rank(group, src_group_rank)
     handed: list[torch.Tensor] = []
     work = dist.broadcast(_handed(tensor, handed), src=src, group=group, async_op=True)
-    return Pending(
-        work,
-        tensor,
-        kind=CollectiveKind.BROADCAST.value,
-        group=group,
-        launched_in=_activity,
-        handed=tuple(handed),
-    )
+    return _in_place(work, tensor, CollectiveKind.BROADCAST, group, handed)
+
+
+def _in_place(
+    work: Any, tensor: torch.Tensor, kind: CollectiveKind, group: Any, handed: list[torch.Tensor]
+) -> Pending:
+    """The :class:`Pending` of a collective launched on ``tensor`` in place."""
+    return Pending(work, tensor, kind=kind.value, group=group, launched_in=_activity, handed=tuple(handed))
 
 
 _group_cache: dict[tuple[str, int, tuple[int, ...]], dist.ProcessGroup] = {}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -262,6 +262,31 @@ def make_placeholder(
     placeholder._fsdp_name = name
     placeholder._fsdp_owner = owner
     return placeholder
+
+
+class _HoldsFlatParam(Protocol):
+    @property
+    def meta(self) -> FlatParamMeta: ...
+
+    @property
+    def flat_param(self) -> torch.Tensor: ...
+
+
+def make_placeholders(holder: _HoldsFlatParam) -> list[torch.Tensor]:
+    """The stand-ins of ``holder``'s parameters (a FlatParamHandle's) while sharded. Where the flat
+    parameter holds one parameter alone, its stand-in sets ``requires_grad`` on it; the stand-ins
+    reach the holder weakly (they live in its modules, which it holds)."""
+    ref = weakref.ref(holder)
+
+    def owner() -> torch.Tensor | None:
+        held = ref()
+        return None if held is None else held.flat_param
+
+    alone = owner if len(holder.meta.params) == 1 else None
+    flag = holder.flat_param.requires_grad
+    return [
+        make_placeholder(info.fqn, info.shape, holder.meta.dtype, flag, alone) for info in holder.meta.params
+    ]
 
 
 def _set_requires_grad(args: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | None:

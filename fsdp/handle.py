@@ -103,7 +103,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,7 +119,7 @@ from fsdp.flat_param import (
     _Entry,
     is_placeholder,
     make_meta,
-    make_placeholder,
+    make_placeholders,
     set_module_tensor,
     unflatten_views,
 )
@@ -298,7 +297,7 @@ class FlatParamHandle:
         self._grad_acc = self._full_grad = None
         self.grad_state = GradState.IDLE
         self.accumulators = AccumulatorHooks(self.flat_param)
-        self._placeholders = self._make_placeholders()
+        self._placeholders = make_placeholders(self)
         self.remove_module_tensors()
 
     def _make_full_buffers(self, padded: torch.Tensor | None = None) -> None:
@@ -634,29 +633,12 @@ class FlatParamHandle:
                     "new values inside `with model.summon_full_params():`"
                 )
 
-    def _make_placeholders(self) -> list[torch.Tensor]:
-        """The modules' stand-ins while sharded; one of a flat parameter that holds it alone sets
-        ``requires_grad`` on it (see make_placeholder)."""
-        ref = weakref.ref(self)
-        alone = len(self.meta.params) == 1
-
-        def owner() -> torch.Tensor | None:
-            handle = ref()
-            return None if handle is None else handle.flat_param
-
-        return [
-            make_placeholder(
-                info.fqn, info.shape, self.meta.dtype, self.flat_param.requires_grad, owner if alone else None
-            )
-            for info in self.meta.params
-        ]
-
     def remove_module_tensors(self) -> None:
         """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
         self._placeholders_set = True
         if self._placeholders and self._placeholders[0].requires_grad != self.flat_param.requires_grad:
             # (``root.requires_grad_(False)`` reached the flat parameter): the stand-ins follow
-            self._placeholders = self._make_placeholders()
+            self._placeholders = make_placeholders(self)
         for info, module, placeholder in zip(self.meta.params, self.modules, self._placeholders, strict=True):
             set_module_tensor(module, info.param_name, placeholder, as_parameter=False)
         for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
