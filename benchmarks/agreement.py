@@ -1,5 +1,5 @@
 """What the cross-rank handshakes cost a training step of the example's GPT (see [Note: agreement
-before communication] in fsdp/consistency.py).
+before communication] in fsdp/comm/consistency.py).
 
     torchrun --standalone --nproc_per_node=2 -m benchmarks.agreement [--size 35M] [--rounds 12] \
         [--out out/agreement]
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import fsdp.fully_sharded
+import fsdp.wrapper.fully_sharded
 from benchmarks._example import wrap_blocks
 from benchmarks.peers import SIZES
 from examples.gpt import GPT
-from fsdp.consistency import FORWARD, agree_on_step
+from fsdp.comm.consistency import FORWARD, agree_on_step
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,7 +76,7 @@ def main() -> None:
         inside[0] += time.perf_counter() - t0
 
     def step(handshakes: bool) -> float:
-        fsdp.fully_sharded.agree_on_step = timed_agree if handshakes else (lambda root, op: None)  # type: ignore[attr-defined]
+        fsdp.wrapper.fully_sharded.agree_on_step = timed_agree if handshakes else (lambda root, op: None)  # type: ignore[attr-defined]
         inside[0] = 0.0
         x = torch.randint(0, args.vocab, (args.batch_size, args.block_size), generator=gen)
         dist.barrier()
@@ -110,7 +110,7 @@ def main() -> None:
                 spent.append(inside[0] / times[name][-1])
         alone["handshake"].append(repeated(lambda: agree_on_step(model, FORWARD)))
         alone["barrier"].append(repeated(dist.barrier))
-    fsdp.fully_sharded.agree_on_step = agree_on_step  # type: ignore[attr-defined]
+    fsdp.wrapper.fully_sharded.agree_on_step = agree_on_step  # type: ignore[attr-defined]
     ratios = sorted(a / b for a, b in zip(times["on"], times["off"], strict=True))
     handshake = statistics.median(alone["handshake"])
     per_step = 3 if args.clip else 2

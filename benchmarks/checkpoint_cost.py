@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import fsdp.checkpoint_files as checkpoint_files
-import fsdp.checkpoint_io as checkpoint_io
+import fsdp.checkpoints.files as checkpoint_files
+import fsdp.checkpoints.save_load as checkpoint_io
 from benchmarks._example import wrap_blocks
 from benchmarks.peers import SIZES
 from examples.gpt import GPT

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from examples.gpt import GPT
 from fsdp import DistributedDataParallel
-from fsdp.collectives import CollectiveKind
+from fsdp.comm.collectives import CollectiveKind
 
 
 def parse_args() -> argparse.Namespace:

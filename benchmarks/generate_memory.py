@@ -10,7 +10,7 @@ tensor storage; the model's shards registered beforehand), one after the other i
 
 - ``through_wrapper``: ``model.generate(prompt)``, reached through the wrapper's attribute
   forwarding. Each call of the inner module gathers the units it runs and frees them after (see
-  [Note: calls past the wrapper] in fsdp/_direct_call.py).
+  [Note: calls past the wrapper] in fsdp/wrapper/direct_call.py).
 - ``summon``: ``with model.summon_full_params(): model.generate(prompt)``, the fairscale and torch
   FSDP1 way: the whole model is gathered on every rank for the whole generation.
 

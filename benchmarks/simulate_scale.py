@@ -56,7 +56,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from examples.gpt import GPT
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import get_fsdp_instances
-from fsdp.sharding import chunk_numel, padded_numel
+from fsdp.core.sharding import chunk_numel, padded_numel
 
 FP32 = 4  # bytes per element of parameters and gradients (fp32 training)
 ADAM = 8  # bytes per parameter of AdamW state: exp_avg + exp_avg_sq in fp32
@@ -90,7 +90,7 @@ _groups: list[Any] = []  # groups FSDP uses in the current world
 def fake_world(world_size: int) -> Iterator[None]:
     """Be rank 0 of ``world_size`` ranks on the fake process group; destroy the group on exit.
 
-    FSDP caches its extra groups (``fsdp.collectives._group_cache`` / ``_hybrid_cache``) keyed by
+    FSDP caches its extra groups (``fsdp.comm.collectives._group_cache`` / ``_hybrid_cache``) keyed by
     ``id(dist.group.WORLD)``, so every new world gets new groups; the old world objects are kept
     alive here so that CPython cannot hand a new world the id of a destroyed one.
     """

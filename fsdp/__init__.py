@@ -3,6 +3,7 @@
 Public names only; see ``docs/`` for the guide and ``docs/design.md`` for the design.
 """
 
+from fsdp import _legacy_paths
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -19,13 +20,11 @@ from fsdp.api import (
     StateDictType,
     TrainingState,
 )
-from fsdp.checkpoint import checkpoint_wrapper, disable_checkpointing
-from fsdp.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdp.data_parallel import DistributedDataParallel
-from fsdp.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
-from fsdp.norm_wrap import auto_wrap_bn
-from fsdp.offload_model import OffloadModel
-from fsdp.sharded_grad_scaler import ShardedGradScaler
+from fsdp.checkpoints.save_load import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp.ddp.data_parallel import DistributedDataParallel
+from fsdp.offload.model import OffloadModel
+from fsdp.training.activation_checkpoint import checkpoint_wrapper, disable_checkpointing
+from fsdp.training.sharded_grad_scaler import ShardedGradScaler
 from fsdp.wrap import (
     auto_wrap,
     config_auto_wrap_policy,
@@ -36,6 +35,8 @@ from fsdp.wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
+from fsdp.wrapper.fully_sharded import FSDP, FullyShardedDataParallel, get_fsdp_instances
+from fsdp.wrapper.norm_wrap import auto_wrap_bn
 
 __all__ = [
     "FSDP",
@@ -75,3 +76,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_legacy_paths.install()  # See [Note: legacy module paths]

@@ -527,7 +527,7 @@ class ScheduleConfig:
     ``forward_prefetch``: likewise in forward, following the order recorded in the first iteration
     (if a later iteration runs units in another order, forward prefetch stops, with a warning).
     ``None`` (the default): on where the host computes (CPU), off on CUDA, and a change of order
-    stops it silently. See [Note: prefetch] in fsdp/schedule.py.
+    stops it silently. See [Note: prefetch] in fsdp/comm/schedule.py.
     ``limit_all_gathers``: on CUDA, the host waits before gathering a unit while two freed units'
     compute has not finished, so a fast host cannot run ahead and hold many full units; on CPU the
     host runs in step with the computation and it changes nothing.
@@ -548,7 +548,7 @@ class ScheduleConfig:
 @dataclass(frozen=True, kw_only=True)
 class TorchOptions:
     """How a wrapper was built, torch FSDP1's way or fairscale's, decided once from the constructor's
-    arguments as given (``fsdp._torch_compat.torch_options_of``). Where the two libraries differ
+    arguments as given (``fsdp.wrapper.torch_compat.torch_options_of``). Where the two libraries differ
     (``model.module``, the flat parameters' names, the ``mixed_precision`` / ``cpu_offload``
     attributes) a wrapper follows the one it was built for.
 

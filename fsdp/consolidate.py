@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from fsdp.checkpoint_files import CheckpointError, check_checkpoint, read_dcp_metadata
+from fsdp.checkpoints.files import CheckpointError, check_checkpoint, read_dcp_metadata
 
 __all__ = ["consolidate_checkpoint", "main"]
 
@@ -38,7 +38,7 @@ _MODEL = "model."
 def consolidate_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> dict[str, torch.Tensor]:
     """The unwrapped model's full state dict from a checkpoint directory (CPU tensors). Single process.
 
-    Raises :class:`~fsdp.checkpoint_files.CheckpointError` if the checkpoint is incomplete or
+    Raises :class:`~fsdp.checkpoints.files.CheckpointError` if the checkpoint is incomplete or
     damaged: with ``verify``, a file whose checksum differs from the one recorded at the save."""
     manifest, verified = check_checkpoint(path, verify)
     if verify and not verified:

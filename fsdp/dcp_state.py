@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._state_methods import StateDictMethods
-from fsdp._torch_methods import TorchFSDPMethods, WholeModel
 from fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -29,6 +27,8 @@ from fsdp.api import (
     ShardedStateDictConfig,
     StateDictType,
 )
+from fsdp.wrapper.state_methods import StateDictMethods
+from fsdp.wrapper.torch_methods import TorchFSDPMethods, WholeModel
 
 __all__ = [
     "get_model_state_dict",

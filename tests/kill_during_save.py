@@ -32,7 +32,7 @@ def _pause() -> None:
 def main(directory: str, point: str) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    import fsdp.checkpoint_io as checkpoint_io
+    import fsdp.checkpoints.save_load as checkpoint_io
     from fsdp import save_checkpoint
     from tests.checkpointing import make, train
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import FullyShardedDataParallel
-from fsdp.sharding import padded_numel
+from fsdp.core.sharding import padded_numel
 from tests.models import CASES, build, wrap
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy
-from fsdp.collectives import hybrid_groups
+from fsdp.comm.collectives import hybrid_groups
 from tests.checkpointing import scramble_
 from tests.rank_pool import RankPool
 

@@ -105,7 +105,7 @@ def test_ranks_with_different_options_fail_at_construction(pool: RankPool, case:
 
 def _different_hybrid_groups() -> str:
     """HYBRID_SHARD with (shard, replicate) groups of other sizes on half of the ranks."""
-    from fsdp.collectives import hybrid_groups
+    from fsdp.comm.collectives import hybrid_groups
 
     pairs = [hybrid_groups(1), hybrid_groups(2)]  # (every rank makes every group)
     pair = pairs[0] if dist.get_rank() < 2 else pairs[1]

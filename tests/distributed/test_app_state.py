@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp import load_checkpoint, save_checkpoint
-from fsdp.checkpoint_io import COMMIT_MARKER, CheckpointError, read_checkpoint_info
+from fsdp.checkpoints.save_load import COMMIT_MARKER, CheckpointError, read_checkpoint_info
 from tests.checkpointing import expect_error, flat_snapshot, make, same, train
 from tests.rank_pool import RankPool
 

@@ -21,8 +21,8 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy, latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdp.checkpoint_files import marker_text
-from fsdp.checkpoint_io import COMMIT_MARKER, PROBE, CheckpointError
+from fsdp.checkpoints.files import marker_text
+from fsdp.checkpoints.save_load import COMMIT_MARKER, PROBE, CheckpointError
 from fsdp.consolidate import main as consolidate_main
 from tests.checkpointing import (
     expect_error,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp import latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdp.checkpoint_files import COMMIT_MARKER, MANIFEST, CheckpointError, marker_text, read_dcp_metadata
+from fsdp.checkpoints.files import COMMIT_MARKER, MANIFEST, CheckpointError, marker_text, read_dcp_metadata
 from fsdp.consolidate import consolidate_checkpoint
 from fsdp.consolidate import main as consolidate_main
 from tests.checkpointing import expect_error, flat_snapshot, make, same, state_diff, train
@@ -199,7 +199,7 @@ def _full_disk_stream(self: Any, path: Any, mode: str) -> Iterator[io.BufferedWr
 def _no_space(tmp: str, where: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    import fsdp.checkpoint_io as checkpoint_io
+    import fsdp.checkpoints.save_load as checkpoint_io
     from fsdp import FullyShardedDataParallel as FSDP
 
     rank = dist.get_rank()

@@ -9,26 +9,26 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdp.collectives
+import fsdp.comm.collectives
 from tests.rank_pool import RankPool
 
 
 @contextlib.contextmanager
 def _path(limit: str, max_ranks: int, counted: str) -> Iterator[list[int]]:
-    """Set ``fsdp.collectives.<limit>`` and count the calls of ``dist.<counted>`` (in the list)."""
-    saved, real = getattr(fsdp.collectives, limit), getattr(dist, counted)
+    """Set ``fsdp.comm.collectives.<limit>`` and count the calls of ``dist.<counted>`` (in the list)."""
+    saved, real = getattr(fsdp.comm.collectives, limit), getattr(dist, counted)
     calls = [0]
 
     def counting(*args: object, **kwargs: object) -> object:
         calls[0] += 1
         return real(*args, **kwargs)
 
-    setattr(fsdp.collectives, limit, max_ranks)
+    setattr(fsdp.comm.collectives, limit, max_ranks)
     setattr(dist, counted, counting)
     try:
         yield calls
     finally:
-        setattr(fsdp.collectives, limit, saved)
+        setattr(fsdp.comm.collectives, limit, saved)
         setattr(dist, counted, real)
 
 
@@ -49,7 +49,7 @@ def _reduced(max_ranks: int) -> tuple[bool, int]:
         pendings = []
         for size, seed, given in cases:
             out = torch.full((size,), float("nan")) if given else None
-            pendings.append(fsdp.collectives.reduce_scatter(out, contribution(rank, size, seed), group))
+            pendings.append(fsdp.comm.collectives.reduce_scatter(out, contribution(rank, size, seed), group))
         results = [p.wait() for p in reversed(pendings)][::-1]
     correct = True
     for (size, seed, _), got in zip(cases, results, strict=True):
@@ -83,8 +83,8 @@ def _gathered(max_ranks: int) -> tuple[bool, int]:
     with _path("_BROADCAST_GATHER_MAX_RANKS", max_ranks, "broadcast") as broadcasts:
         shard = torch.arange(5.0) + 10 * rank
         out = torch.full((5 * world,), float("nan"))
-        stats = fsdp.collectives.CommStats()
-        fsdp.collectives.all_gather(out, shard, group, stats).wait()
+        stats = fsdp.comm.collectives.CommStats()
+        fsdp.comm.collectives.all_gather(out, shard, group, stats).wait()
     expected = torch.cat([torch.arange(5.0) + 10 * r for r in range(world)])
     counted = stats.as_dict()["all_gather"]
     correct = bool(torch.equal(out, expected)) and counted["calls"] == 1 and counted["numel"] == 5 * world
@@ -107,7 +107,7 @@ def _cached_groups() -> dict[str, object]:
     assert world is not None
     rank = dist.get_rank()
     sub = dist.new_group([0, 1])  # every rank takes part in creating it; only 0 and 1 are members
-    whole = fsdp.collectives.get_process_group_cached(world, "test-world")
+    whole = fsdp.comm.collectives.get_process_group_cached(world, "test-world")
     out: dict[str, object] = {
         "world_is_new": whole is not world,
         "world_ranks": dist.get_process_group_ranks(whole),
@@ -116,9 +116,9 @@ def _cached_groups() -> dict[str, object]:
     dist.all_reduce(t, group=whole)
     out["world_sum"] = t.item()
     if rank in (0, 1):
-        out["sub_is_itself"] = fsdp.collectives.get_process_group_cached(sub, "test-sub") is sub
-    shard, _ = fsdp.collectives.hybrid_groups(2)
-    twin = fsdp.collectives.get_process_group_cached(shard, "reduce_scatter")
+        out["sub_is_itself"] = fsdp.comm.collectives.get_process_group_cached(sub, "test-sub") is sub
+    shard, _ = fsdp.comm.collectives.hybrid_groups(2)
+    twin = fsdp.comm.collectives.get_process_group_cached(shard, "reduce_scatter")
     out["twin_is_new"] = twin is not shard and dist.get_process_group_ranks(
         twin
     ) == dist.get_process_group_ranks(shard)
@@ -158,23 +158,23 @@ def _handed_to_the_backend(max_ranks: int) -> dict[str, object]:
     out = torch.zeros(6 * world)
     for name in real:
         setattr(dist, name, spy(name))
-    saved = fsdp.collectives._EXCHANGE_MAX_RANKS, fsdp.collectives._BROADCAST_GATHER_MAX_RANKS
-    fsdp.collectives._EXCHANGE_MAX_RANKS = fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = max_ranks
+    saved = fsdp.comm.collectives._EXCHANGE_MAX_RANKS, fsdp.comm.collectives._BROADCAST_GATHER_MAX_RANKS
+    fsdp.comm.collectives._EXCHANGE_MAX_RANKS = fsdp.comm.collectives._BROADCAST_GATHER_MAX_RANKS = max_ranks
     try:
-        fsdp.collectives.all_reduce(t, group).wait()
-        fsdp.collectives.broadcast(t, 0, group).wait()
-        fsdp.collectives.all_gather(out, t, group).wait()
-        fsdp.collectives.reduce_scatter(None, out.clone(), group).wait()
+        fsdp.comm.collectives.all_reduce(t, group).wait()
+        fsdp.comm.collectives.broadcast(t, 0, group).wait()
+        fsdp.comm.collectives.all_gather(out, t, group).wait()
+        fsdp.comm.collectives.reduce_scatter(None, out.clone(), group).wait()
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-        fsdp.collectives._EXCHANGE_MAX_RANKS, fsdp.collectives._BROADCAST_GATHER_MAX_RANKS = saved
+        fsdp.comm.collectives._EXCHANGE_MAX_RANKS, fsdp.comm.collectives._BROADCAST_GATHER_MAX_RANKS = saved
     return {
         "calls": len(seen),
         "aliases": all(i not in (id(t), id(out)) for i, _ in seen),
         "same_storage": seen[0][1] == t.data_ptr() and seen[1][1] == t.data_ptr(),
-        "drained": fsdp.collectives.drain_worker_references(timeout=10.0),
-        "left": len(fsdp.collectives._retired),
+        "drained": fsdp.comm.collectives.drain_worker_references(timeout=10.0),
+        "left": len(fsdp.comm.collectives._retired),
         "sum": t.sum().item(),
     }
 

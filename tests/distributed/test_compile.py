@@ -1,6 +1,6 @@
 """torch.compile of a wrapped model: the wrappers run eagerly, the modules' own forwards compile.
 
-See [Note: torch.compile] in fsdp/_compile.py. The reference is the same model wrapped the same way
+See [Note: torch.compile] in fsdp/common/torch_compile.py. The reference is the same model wrapped the same way
 and run eagerly: with the ``aot_eager`` backend (torch's ops, no code generation, so no compiler is
 needed on the test machine) the results must be bitwise equal.
 """

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import fsdp.collectives
+import fsdp.comm.collectives
 from fsdp import DistributedDataParallel as DDP
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp.buckets import MissingGradientError
-from fsdp.collectives import CollectiveKind
+from fsdp.comm.buckets import MissingGradientError
+from fsdp.comm.collectives import CollectiveKind
 from tests.rank_pool import RankPool
 
 PER_RANK = 2  # samples per rank per step
@@ -209,13 +209,13 @@ def _launch_order(delay: bool) -> list[list[str]]:
     events: list[str] = []
     for p in ddp.parameters():  # registered after the wrapper's hooks: these run after them
         p.register_post_accumulate_grad_hook(lambda p: events.append("hook"))
-    original = fsdp.collectives.all_reduce
+    original = fsdp.comm.collectives.all_reduce
 
     def recording(*args: Any, **kw: Any) -> Any:
         events.append("launch")
         return original(*args, **kw)
 
-    fsdp.collectives.all_reduce = recording
+    fsdp.comm.collectives.all_reduce = recording
     try:
         per_iteration = []
         for _ in range(3):
@@ -223,7 +223,7 @@ def _launch_order(delay: bool) -> list[list[str]]:
             ddp(torch.randn(4, 16)).sum().backward()
             per_iteration.append(list(events))
     finally:
-        fsdp.collectives.all_reduce = original
+        fsdp.comm.collectives.all_reduce = original
     return per_iteration
 
 

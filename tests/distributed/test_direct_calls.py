@@ -1,6 +1,6 @@
 """Calls into a wrapped module that bypass its wrapper gather what they need and train.
 
-See [Note: calls past the wrapper] in fsdp/_direct_call.py: ``model.module(x)``, a method of the
+See [Note: calls past the wrapper] in fsdp/wrapper/direct_call.py: ``model.module(x)``, a method of the
 wrapped module that calls ``self(...)`` or submodules (reached through the wrapper's attribute
 forwarding), a submodule called on its own. Each gathers only the units it runs, frees them after,
 and hooks its outputs for backward, as the wrapper's own forward does.

@@ -32,7 +32,10 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _same_optim(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["state"].keys() == b["state"].keys() and all(
         a["state"][i].keys() == b["state"][i].keys()
-        and all(torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(b["state"][i][k])) for k in a["state"][i])
+        and all(
+            torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(b["state"][i][k]))
+            for k in a["state"][i]
+        )
         for i in a["state"]
     )
 
@@ -69,7 +72,8 @@ def _unpickle_and_load_local() -> dict[str, bool]:
     full = torch.load(OLD / "full_state.pt")
     return {
         "type": type(pickled) is FSDP,
-        "shards": [t.tolist() for t in shards.values()] == [local[k].tolist() for k in local if "flat_param" in k],
+        "shards": [t.tolist() for t in shards.values()]
+        == [local[k].tolist() for k in local if "flat_param" in k],
         "pickled": _same(pickled.state_dict(), full),
         "local": _same(fresh.state_dict(), full),
     }

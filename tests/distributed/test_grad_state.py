@@ -1,6 +1,6 @@
 """A handle's gradient state through real steps, on the paths that need more than one rank or a
 copier: reduce-scatter, NO_SHARD's bucket engine, the offloaded shard's host copy, and a backward
-that raises before its end. See [Note: gradient state] in fsdp/handle.py."""
+that raises before its end. See [Note: gradient state] in fsdp/core/handle.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy, TrainingState
-from fsdp._device import DeviceHandle, SideCopies
-from fsdp.handle import FlatParamHandle, GradState
+from fsdp.common.device import DeviceHandle, SideCopies
+from fsdp.core.handle import FlatParamHandle, GradState
 from tests.rank_pool import RankPool
 
 

@@ -17,7 +17,7 @@ from torch import nn
 import fsdp
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import lambda_auto_wrap_policy
-from fsdp.sharding import padded_numel
+from fsdp.core.sharding import padded_numel
 from tests.checkpointing import scramble_
 from tests.distributed.test_torch_fsdp_api import Block
 from tests.parity import handles_with_ref_names, reference_flat, shard_of
@@ -99,7 +99,9 @@ def _layout(**kwargs: Any) -> dict[str, Any]:
     params = dict(model.named_parameters())
     flat_names = [n for h, names in handles_with_ref_names(model) for n in names]
     wrapped = sorted(
-        fsdp.consistency.plain_name(n) or "<root>" for n, m in model.named_modules() if isinstance(m, FSDP)
+        fsdp.comm.consistency.plain_name(n) or "<root>"
+        for n, m in model.named_modules()
+        if isinstance(m, FSDP)
     )
     return {
         "ignored_registered": [

@@ -216,7 +216,7 @@ def _numerics(
     """FSDP bf16 vs a hand-made reference: fp32 master copy, bf16 compute on each rank's slice,
     gradient sum (in bf16, or fp32) with the same pre/post division, SGD on the fp32 master. With
     ``forwards=2`` each rank's slice goes through the model in two forwards before one backward
-    (see [Note: gradient accumulators] in fsdp/grad_hooks.py). With fp64 masters (kept as torch's
+    (see [Note: gradient accumulators] in fsdp/core/grad_hooks.py). With fp64 masters (kept as torch's
     MixedPrecision keeps them, which also casts the fp64 inputs) the reference's master is fp64."""
 
     def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -503,7 +503,7 @@ def test_gradient_divide_factors_apply_to_every_strategy(pool: RankPool, strateg
 def test_input_containers_keep_their_types() -> None:
     import collections
 
-    from fsdp.mixed_precision import cast_inputs
+    from fsdp.wrapper.mixed_precision import cast_inputs
 
     class Batch(list):  # a list subclass whose constructor takes other arguments
         def __init__(self, name: str) -> None:

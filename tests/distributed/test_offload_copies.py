@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp._device import DeviceHandle, SideCopies
+from fsdp.common.device import DeviceHandle, SideCopies
 from tests.rank_pool import RankPool
 
 

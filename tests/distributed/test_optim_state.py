@@ -180,7 +180,7 @@ def _not_flat() -> str:
 
 
 def _agree_cases() -> dict[str, str]:
-    from fsdp.state_layout import agree
+    from fsdp.core.layout import agree
 
     rank = dist.get_rank()
     layout = FSDP(nn.Linear(4, 4))._state_layout()

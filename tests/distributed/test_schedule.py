@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import fsdp.handle
+import fsdp.core.handle
 from fsdp import FullyShardedDataParallel as FSDP
 from tests.models import CASES, build, wrap
 from tests.parity import compare_training
@@ -40,7 +40,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
     model = FSDP(net, **schedule)
     names = {id(h): n for n in ("a", "b", "c") for h in getattr(net, n).handles}
     log: list[str] = []
-    real_gather, real_reduce = fsdp.handle.all_gather, fsdp.handle.reduce_scatter
+    real_gather, real_reduce = fsdp.core.handle.all_gather, fsdp.core.handle.reduce_scatter
 
     def gather(out: torch.Tensor, shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         owner = next((n for hid, n in names.items() if _handle(hid)._full is out), "root")
@@ -68,7 +68,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
             return real(grad)
 
         unit._pre_backward_hook = pre_backward
-    fsdp.handle.all_gather, fsdp.handle.reduce_scatter = gather, reduce
+    fsdp.core.handle.all_gather, fsdp.core.handle.reduce_scatter = gather, reduce
     runs = []
     try:
         for _ in range(2):
@@ -76,7 +76,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
             model(torch.randn(2, 8)).sum().backward()
             runs.append(list(log))
     finally:
-        fsdp.handle.all_gather, fsdp.handle.reduce_scatter = real_gather, real_reduce
+        fsdp.core.handle.all_gather, fsdp.core.handle.reduce_scatter = real_gather, real_reduce
     return runs
 
 
@@ -352,7 +352,7 @@ def test_memory_stats_count_the_unsharded_buffers(pool: RankPool) -> None:
 def _limiter_events(mixed: bool) -> dict[str, Any]:
     """CUDA's events simulated at world size 2: each free of a gathered unit records one, and a gather
     waits on the second-to-last free; the limiter keeps no older events."""
-    from fsdp._device import DeviceHandle
+    from fsdp.common.device import DeviceHandle
 
     recorded: list[int] = []
     waits: list[tuple[int, int]] = []  # (the event waited on, the newest event at that moment)

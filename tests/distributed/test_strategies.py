@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ProcessGroupName, ShardingStrategy
-from fsdp.collectives import hybrid_groups
+from fsdp.comm.collectives import hybrid_groups
 from tests.models import CASES, build, wrap
 from tests.parity import compare_training
 from tests.rank_pool import RankPool

@@ -13,7 +13,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy, get_fsdp_instances
-from fsdp.checkpoint import checkpoint_wrapper
+from fsdp.training.activation_checkpoint import checkpoint_wrapper
 from tests.models import build, wrap
 from tests.parity import compare_training, handles_with_ref_names, reference_flat, shard_of
 from tests.rank_pool import RankPool

@@ -19,7 +19,7 @@ from torch import nn
 
 import fsdp
 from fsdp import FSDP, FullyShardedDataParallel, ProcessGroupName, TrainingState
-from fsdp._torch_methods import InstanceOrStatic
+from fsdp.wrapper.torch_methods import InstanceOrStatic
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -309,7 +309,9 @@ def test_fairscale_state_flags_and_print_r0(
     with caplog.at_level(logging.INFO, logger="fsdp"):
         model._print_r0("since construction")
         model._print_r0("restarted", restart=True)
-    assert [(r.name, r.levelno) for r in caplog.records] == [("fsdp._fairscale_attrs", logging.INFO)] * 2
+    assert [(r.name, r.levelno) for r in caplog.records] == [
+        ("fsdp.wrapper.fairscale_attrs", logging.INFO)
+    ] * 2
     first, second = (r.getMessage() for r in caplog.records)
     assert re.fullmatch(
         r"since construction unsharded cur= ?\d+\.\d{4} GB, max= ?\d+\.\d{4} GB, t=10\d\.\d s", first
@@ -496,7 +498,7 @@ def test_a_constructor_that_raised_leaves_the_inner_wrappers_free(
         raise MemoryError("no room for the flat parameter")
 
     with monkeypatch.context() as patch:
-        patch.setattr(fsdp.fully_sharded, "FlatParamHandle", out_of_memory)
+        patch.setattr(fsdp.wrapper.fully_sharded, "FlatParamHandle", out_of_memory)
         with pytest.raises(MemoryError) as failed:  # its traceback keeps the half-built wrapper alive
             FSDP(net)
     assert failed.value.__traceback__ is not None

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp._device import DeviceHandle
-from fsdp.buckets import (
+from fsdp.comm.buckets import (
     BucketConfig,
     BucketLayout,
     GradBucketer,
@@ -15,6 +14,7 @@ from fsdp.buckets import (
     layout_by_dtype,
     learn_layout,
 )
+from fsdp.common.device import DeviceHandle
 
 
 def _t(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp.checkpoint import checkpoint_wrapper
+from fsdp.training.activation_checkpoint import checkpoint_wrapper
 
 
 def _block() -> nn.Module:

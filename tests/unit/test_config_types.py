@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from fsdp._offload_engine import OffloadModelConfig
 from fsdp.api import (
     CommConfig,
     FSDPConfig,
@@ -19,7 +18,8 @@ from fsdp.api import (
     StateDictConfig,
     TorchOptions,
 )
-from fsdp.buckets import BucketConfig
+from fsdp.comm.buckets import BucketConfig
+from fsdp.offload.engine import OffloadModelConfig
 
 CONFIGS = [
     ShardingConfig,

@@ -12,7 +12,7 @@ import torch
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import latest_checkpoint
-from fsdp.checkpoint_files import (
+from fsdp.checkpoints.files import (
     COMMIT_MARKER,
     CheckpointError,
     check_checkpoint,

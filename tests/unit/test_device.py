@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp._device import DeviceHandle, default_compute_device
 from fsdp.api import ScheduleConfig
-from fsdp.schedule import Scheduler
-from fsdp.topology import backend_has_cuda, backend_is_cuda_only
+from fsdp.comm.schedule import Scheduler
+from fsdp.comm.topology import backend_has_cuda, backend_is_cuda_only
+from fsdp.common.device import DeviceHandle, default_compute_device
 
 CPU = torch.device("cpu")
 CUDA1 = torch.device("cuda", 1)
@@ -39,7 +39,7 @@ def test_without_cuda_everything_computes_on_the_cpu() -> None:
 def test_a_cuda_device_without_index_means_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
     # tensors on it report cuda:N; a compute device named "cuda" would compare unequal to their
     # device (a copy in every state_dict()) and get side streams of its own
-    from fsdp.topology import checked_device
+    from fsdp.comm.topology import checked_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -156,7 +156,7 @@ def test_sharded_values_keep_host_rows_on_a_cuda_mesh() -> None:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdp.state_layout import empty_sharded, to_sharded
+    from fsdp.core.layout import empty_sharded, to_sharded
 
     mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cuda")
     layout = SimpleNamespace(world_size=1, rank=0, device=CUDA1)

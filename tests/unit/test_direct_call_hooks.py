@@ -1,6 +1,6 @@
 """The hooks that make calls past a wrapper gather: which modules carry them, and how they copy.
 
-See [Note: calls past the wrapper] in fsdp/_direct_call.py; tests/distributed/test_direct_calls.py
+See [Note: calls past the wrapper] in fsdp/wrapper/direct_call.py; tests/distributed/test_direct_calls.py
 runs the calls themselves.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp._direct_call import DirectCallHooks
+from fsdp.wrapper.direct_call import DirectCallHooks
 
 
 class Stand:

@@ -1,5 +1,5 @@
 """At exit the interpreter waits until no backend thread holds a tensor of a finished collective
-(see [Note: gloo works at exit] in fsdp/collectives.py)."""
+(see [Note: gloo works at exit] in fsdp/comm/collectives.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp import collectives
-from fsdp.collectives import Pending, drain_worker_references
+from fsdp.comm import collectives
+from fsdp.comm.collectives import Pending, drain_worker_references
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_device_tensors_are_handed_as_they_are() -> None:
 
 _SCRIPT = """
 import sys, threading, time, torch
-from fsdp import collectives
+from fsdp.comm import collectives
 
 marker = sys.argv[1]
 worker = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp.flat_param import group_params, make_meta, unflatten_views
+from fsdp.core.flat_param import group_params, make_meta, unflatten_views
 
 
 def _model() -> nn.Module:

@@ -25,8 +25,8 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_import_fsdp_leaves_the_heavy_torch_packages_unimported() -> None:
-    modules = _modules_after("import fsdp, fsdp.fully_sharded, fsdp.checkpoint_io")
-    assert "fsdp.checkpoint_io" in modules
+    modules = _modules_after("import fsdp, fsdp.wrapper.fully_sharded, fsdp.checkpoints.save_load")
+    assert "fsdp.checkpoints.save_load" in modules
     heavy = sorted(m for m in modules for h in HEAVY if m == h or m.startswith(h + "."))
     assert not heavy, f"import fsdp imported {heavy[:5]}: import them inside the functions that use them"
 
@@ -34,7 +34,7 @@ def test_import_fsdp_leaves_the_heavy_torch_packages_unimported() -> None:
 def test_is_dtensor_recognizes_a_dtensor_without_importing_its_module() -> None:
     code = """
 import sys, torch, fsdp
-from fsdp.state_layout import is_dtensor
+from fsdp.core.layout import is_dtensor
 assert not is_dtensor(torch.zeros(2)) and "torch.distributed.tensor" not in sys.modules
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh

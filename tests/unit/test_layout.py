@@ -16,53 +16,121 @@ pytestmark = pytest.mark.lint
 
 PKG = Path(__file__).resolve().parents[2] / "fsdp"
 
-# Top to bottom: each module may import only from modules listed above it.
+# Top to bottom: each module may import only from modules listed above it. A dotted name is a module of
+# a subpackage; a plain name a module at the top of the package.
 ORDER = [
-    "api", "_device", "_compile", "nest", "deferred_init", "guards", "flat_param", "sharding", "lost_ranks", "collectives", "consistency", "topology", "schedule", "buckets", "grad_hooks", "handle",
-    "mixed_precision",
-    "clip_grad", "no_shard_buckets",
-    "sharded_grad_scaler", "state_layout", "_wrapper_protocol", "state_local", "state_dict", "optim_fairscale", "optim_state", "shared_params", "_recompute", "checkpoint", "wrap", "data_parallel",
-    "_offload_slice", "_offload_engine", "offload_model", "_state_methods", "_stats_methods", "_grad_methods", "_fairscale_attrs", "_summon_methods", "_direct_call", "_torch_compat", "_torch_methods", "_module_ops", "_construct", "_root_context", "fully_sharded", "dcp_state", "norm_wrap", "checkpoint_files", "_app_state", "checkpoint_io", "consolidate",
+    "api",
+    "common.device", "common.torch_compile", "common.nest", "common.guards",
+    "comm.lost_ranks", "comm.collectives", "comm.consistency", "comm.topology", "comm.schedule", "comm.buckets",
+    "core.sharding", "core.deferred_init", "core.flat_param", "core.grad_hooks", "core.handle",
+    "core.no_shard_buckets", "core.layout", "core.wrapper_protocol",
+    "state.local", "state.state_dict", "state.optim_fairscale", "state.optim_state",
+    "wrap.policies",
+    "wrapper.mixed_precision", "wrapper.clip_grad", "wrapper.shared_params", "wrapper.state_methods",
+    "wrapper.stats_methods", "wrapper.grad_methods", "wrapper.fairscale_attrs", "wrapper.summon_methods",
+    "wrapper.direct_call", "wrapper.torch_compat", "wrapper.torch_methods", "wrapper.module_ops",
+    "wrapper.construct", "wrapper.root_context", "wrapper.fully_sharded", "wrapper.norm_wrap",
+    "training.recompute", "training.activation_checkpoint", "training.sharded_grad_scaler",
+    "ddp.data_parallel",
+    "offload.layer_slice", "offload.engine", "offload.model",
+    "dcp_state",
+    "checkpoints.files", "checkpoints.app_state", "checkpoints.save_load",
+    "consolidate",
+    "_legacy_paths",
 ]  # fmt: skip
+
+PACKAGES = sorted(p.parent.name for p in PKG.glob("*/__init__.py"))
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PKG).with_suffix("").parts)
 
 
 def _fsdp_imports(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports, as ORDER names (``from fsdp.comm import collectives``
+    is ``comm.collectives``; ``from fsdp.wrap import wrap`` is the package ``wrap``)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp."):
-            names.add(node.module.split(".")[1])
+            name = node.module.removeprefix("fsdp.")
+            if name in PACKAGES:
+                names.update(
+                    f"{name}.{a.name}" if (PKG / name / f"{a.name}.py").exists() else name for a in node.names
+                )
+            else:
+                names.add(name)
+        elif isinstance(node, ast.ImportFrom) and node.module == "fsdp":
+            names.update(a.name for a in node.names if (PKG / f"{a.name}.py").exists() or a.name in PACKAGES)
         elif isinstance(node, ast.Import):
-            names.update(a.name.split(".")[1] for a in node.names if a.name.startswith("fsdp."))
+            names.update(a.name.removeprefix("fsdp.") for a in node.names if a.name.startswith("fsdp."))
     return names
 
 
-MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+MODULE_PATHS = sorted(p for p in PKG.rglob("*.py") if p.name != "__init__.py")
+MODULES = [_module_name(p) for p in MODULE_PATHS]
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_imports_only_from_modules_above(module: str) -> None:
     assert module in ORDER, (
-        f"fsdp/{module}.py is not placed in the layering; add it to ORDER and docs/design.md"
+        f"fsdp/{module.replace('.', '/')}.py is not placed in the layering; add it to ORDER"
     )
     above = set(ORDER[: ORDER.index(module)])
-    assert _fsdp_imports(PKG / f"{module}.py") <= above, f"fsdp/{module}.py imports from below it"
+    path = PKG / f"{module.replace('.', '/')}.py"
+    below = _fsdp_imports(path) - above
+    assert not below, f"fsdp/{module.replace('.', '/')}.py imports from below it: {sorted(below)}"
+
+
+def _allowed_packages(package: str) -> set[str]:
+    """What a package's ``__init__`` docstring says it may import: its line ``Imports from: ...``."""
+    doc = ast.get_docstring(ast.parse((PKG / package / "__init__.py").read_text())) or ""
+    lines = [line for line in doc.splitlines() if line.startswith("Imports from:")]
+    assert len(lines) == 1, (
+        f"fsdp/{package}/__init__.py must say once what it may import ('Imports from: ...')"
+    )
+    said = lines[0].removeprefix("Imports from:").strip().rstrip(".")
+    return set() if said.startswith("nothing") else {n.strip().removeprefix("fsdp.") for n in said.split(",")}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_imports_only_what_its_docstring_allows(package: str) -> None:
+    allowed = _allowed_packages(package) | {package}
+    for path in sorted((PKG / package).glob("*.py")):
+        used = {m.split(".")[0] for m in _fsdp_imports(path)}
+        assert used <= allowed, (
+            f"fsdp/{package}/{path.name} imports {sorted(used - allowed)}, which fsdp/{package}/__init__.py "
+            f"does not allow (Imports from: {sorted(allowed - {package})})"
+        )
+
+
+def test_the_packages_form_layers() -> None:
+    """No two packages may import each other (through what their docstrings allow)."""
+    allowed = {p: _allowed_packages(p) for p in PACKAGES}
+    cycles = [(a, b) for a in PACKAGES for b in allowed[a] if b in allowed and a in allowed[b]]
+    assert not cycles, f"packages allowed to import each other: {cycles}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_package_init_says_what_it_owns(package: str) -> None:
+    doc = ast.get_docstring(ast.parse((PKG / package / "__init__.py").read_text())) or ""
+    assert len(doc.split()) >= 12, f"fsdp/{package}/__init__.py needs a docstring saying what it owns"
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_only_the_device_module_names_torch_cuda(module: str) -> None:
-    if module != "_device":
-        assert "torch.cuda" not in (PKG / f"{module}.py").read_text()
+    if module != "common.device":
+        assert "torch.cuda" not in (PKG / f"{module.replace('.', '/')}.py").read_text()
 
 
-@pytest.mark.parametrize("module", ["wrap", "checkpoint"])
+@pytest.mark.parametrize("module", ["wrap.policies", "training.activation_checkpoint", "training.recompute"])
 def test_wrap_and_checkpoint_never_import_the_wrapper(module: str) -> None:
-    path = PKG / f"{module}.py"
-    if path.exists():
-        assert "fully_sharded" not in _fsdp_imports(path)
+    path = PKG / f"{module.replace('.', '/')}.py"
+    assert path.exists(), path
+    assert not {m for m in _fsdp_imports(path) if m.startswith("wrapper")}
 
 
 def test_library_never_prints() -> None:
-    for path in PKG.glob("*.py"):
+    for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id != "print", f"{path.name}: use logging or warnings, not print"
@@ -71,10 +139,10 @@ def test_library_never_prints() -> None:
 def test_one_class_per_name() -> None:
     """No two classes of the package share a name (a reader, or an import, would take one for the other)."""
     defined: dict[str, list[str]] = {}
-    for path in sorted(PKG.glob("*.py")):
+    for path in sorted(PKG.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                defined.setdefault(node.name, []).append(path.name)
+                defined.setdefault(node.name, []).append(_module_name(path))
     twice = {name: files for name, files in defined.items() if len(files) > 1}
     assert not twice, f"classes defined more than once: {twice}"
 
@@ -109,7 +177,7 @@ def _is_stub(value: object) -> bool:
 
 
 def test_no_mixin_of_the_wrapper_holds_a_stub() -> None:
-    """A mixin reaches the wrapper through the typed ``fsdp._wrapper_protocol.Wrapper``, never through
+    """A mixin reaches the wrapper through the typed ``fsdp.core.wrapper_protocol.Wrapper``, never through
     stand-ins that the order of the bases could make the wrapper resolve to."""
     stubs = [
         f"{cls.__name__}.{name}" for cls in _mixins() for name, value in vars(cls).items() if _is_stub(value)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsdp import lost_ranks
-from fsdp.lost_ranks import host_code, is_connection_loss, lost_rank_message, note_processes
+from fsdp.comm import lost_ranks
+from fsdp.comm.lost_ranks import host_code, is_connection_loss, lost_rank_message, note_processes
 
 
 @pytest.fixture

@@ -27,20 +27,20 @@ def _text_without_comment_marks(path: Path) -> str:
 
 
 def _definitions() -> dict[str, list[str]]:
-    """Note title -> the files (``fsdp/x.py``) whose text opens a note of that title."""
+    """Note title -> the files (``fsdp/pkg/x.py``) whose text opens a note of that title."""
     found: dict[str, list[str]] = {}
-    for path in sorted(PKG.glob("*.py")):
+    for path in sorted(PKG.rglob("*.py")):
         for title in DEFINITION.findall(path.read_text()):
-            found.setdefault(title, []).append(f"fsdp/{path.name}")
+            found.setdefault(title, []).append(str(path.relative_to(ROOT)))
     return found
 
 
 def _references() -> dict[str, set[str]]:
     """Note title (whitespace collapsed) -> the files that name it."""
     found: dict[str, set[str]] = {}
-    for path in sorted(PKG.glob("*.py")):
+    for path in sorted(PKG.rglob("*.py")):
         for title in REFERENCE.findall(_text_without_comment_marks(path)):
-            found.setdefault(" ".join(title.split()), set()).add(f"fsdp/{path.name}")
+            found.setdefault(" ".join(title.split()), set()).add(str(path.relative_to(ROOT)))
     return found
 
 

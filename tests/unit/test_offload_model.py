@@ -23,7 +23,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import fsdp
-from fsdp.offload_model import OffloadModel, Residency, _Engine, split_layers
+from fsdp.offload.model import OffloadModel, Residency, _Engine, split_layers
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]

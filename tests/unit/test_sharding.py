@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdp.api import default_gradient_predivide_factor
-from fsdp.sharding import chunk_numel, intersect, padded_numel, shard_spec
+from fsdp.core.sharding import chunk_numel, intersect, padded_numel, shard_spec
 
 
 @given(numel=st.integers(0, 10_000), world=st.integers(1, 64))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fsdp.sharding import chunk_numel
+from fsdp.core.sharding import chunk_numel
 
 ROOT = Path(__file__).resolve().parents[2]
 

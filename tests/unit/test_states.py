@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdp import FSDP, TrainingState
 from fsdp.api import MEMORY_TRANSITIONS, TRAINING_TRANSITIONS, MemoryState, check_transition
-from fsdp.handle import GRAD_TRANSITIONS, FlatParamHandle, GradState
+from fsdp.core.handle import GRAD_TRANSITIONS, FlatParamHandle, GradState
 
 S = TrainingState
 

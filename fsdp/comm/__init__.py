@@ -1,0 +1,10 @@
+"""Communication and cross-rank agreement.
+
+Owns: typed asynchronous collectives (``collectives.py``), naming a rank that stopped
+(``lost_ranks.py``), the handshakes by which ranks agree before a collective whose size depends on
+per-rank state (``consistency.py``), who talks to whom under each sharding strategy
+(``topology.py``), when all-gathers are launched (``schedule.py``), and gradient buckets
+(``buckets.py``).
+
+Imports from: fsdp.api, fsdp.common.
+"""

@@ -1,0 +1,11 @@
+"""The data model: flat parameters, their shards and the handle that moves them between states.
+
+Owns: shard arithmetic (``sharding.py``), deferred (meta-device) initialization
+(``deferred_init.py``), flat-parameter metadata (``flat_param.py``), gradient-readiness hooks
+(``grad_hooks.py``), ``FlatParamHandle`` with its verbs shard / unshard / reshard / reduce
+(``handle.py``), NO_SHARD bucketing over handles (``no_shard_buckets.py``), the layout of a wrapped
+model that state functions read (``layout.py``), and the typed ``Wrapper`` protocol through which
+everything above sees a wrapper without importing it (``wrapper_protocol.py``).
+
+Imports from: fsdp.api, fsdp.common, fsdp.comm.
+"""

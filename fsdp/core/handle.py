@@ -1,0 +1,908 @@
+"""FlatParamHandle: one flat parameter's tensors and the verbs that move it between states.
+
+[Note: flat parameter data]
+A handle owns three tensors for its flat parameter ``flat_param`` (an ``nn.Parameter``, the object
+the optimizer holds):
+
+- ``_shard``: this rank's chunk of the padded flat tensor, shape ``(chunk,)``, fp32 master data.
+- ``_full``: the padded full flat tensor, shape ``(padded_numel,)``. Its storage is freed
+  (``untyped_storage().resize_(0)``) while the handle is SHARDED and re-allocated in place before
+  every all-gather. See [Note: storage resize].
+- ``flat_param.data`` is ``_shard`` while SHARDED or FULL_KEPT and ``_active`` (normally ``_full``)
+  while UNSHARDED. FULL_KEPT is SHARDED with ``_full`` still holding the full parameter gathered for
+  the shard (kept by ``reshard(free_full=False)``), valid while ``flat_param._version`` is the
+  ``_full_version`` recorded then: an in-place update of the shard (an optimizer step) makes the
+  next unshard gather again. Between training steps every handle is SHARDED or FULL_KEPT, so the
+  optimizer sees and updates only the local shard.
+
+Under mixed precision ``_full`` is in the compute dtype (fp16/bf16) and is gathered from
+``_lp_shard``, a compute-dtype copy of the shard made just before the all-gather, so the wire
+carries half the bytes of fp32; ``summon_full_params`` and ``state_dict`` instead gather the fp32
+shards into ``_full_precision`` (``_active`` then points there). Both extra buffers are freed
+like ``_full``. At world size 1 without casting, ``_full`` *is* ``_shard`` (no copy, nothing freed).
+
+[Note: storage resize]
+Autograd saves views of the full parameter for backward (e.g. a Linear saves its weight). When
+``reshard_after_forward`` frees the full parameter, those saved views must become valid again
+before backward runs. Freeing by resizing the *storage* to zero and re-gathering into the *same*
+storage achieves that: the saved views point at that storage, so the pre-backward all-gather
+refills exactly the memory they read. Writes go to ``_full`` (its own version counter), never
+through ``flat_param``, so autograd's saved-tensor version checks stay quiet. Reading a view while
+its storage is freed would crash, so whenever the handle reshards the module attributes are set to
+placeholders on the meta device: same shape and dtype, no memory, no data to read by mistake.
+
+[Note: gradient stash]
+Between steps ``flat_param.grad`` is shard-shaped. During backward autograd accumulates a
+full-shaped gradient into ``flat_param.grad``, which requires it to be None or full-shaped.
+``prepare_gradient_for_backward`` therefore moves an existing shard gradient to
+``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
+accumulation across backward passes (without zero_grad) sums as in a plain model.
+
+[Note: gradient state]
+A handle's gradient is in one :class:`GradState` (``grad_state``), changed only by
+``_set_grad_state``, which checks the change against ``GRAD_TRANSITIONS``:
+
+    state     the gradient of this backward is                        next
+    IDLE      nowhere yet (.grad: the shard gradient, or None)        UNSYNCED, REDUCING, BUCKETED
+    UNSYNCED  summed in _grad_acc inside no_sync (in .grad itself     UNSYNCED, REDUCING, BUCKETED,
+              when aliased), not reduced                              IDLE (zero_grad() drops it)
+    REDUCING  in the reduction _pending: sent, or queued in a bucket  COPYING, REDUCED, IDLE*
+    BUCKETED  on .grad (full) for the root's NO_SHARD bucket engine   REDUCED, IDLE*
+    COPYING   reduced, on its way to the host (_grad_copy)            REDUCED, IDLE*
+    REDUCED   reduced, added into .grad (the shard gradient)          IDLE
+
+The post-backward (``reduce_grad``) leaves IDLE or UNSYNCED: for UNSYNCED inside ``no_sync``, else
+for REDUCING, or BUCKETED where the bucket engine reduces. ``finalize_gradient`` (from a later
+post-backward, the hook before a gradient concatenation, or the end of backward) goes on to REDUCED,
+through COPYING when the shard is offloaded on CUDA: a call during backward leaves the copy in
+flight, the end of backward collects it. The end of backward (``end_backward``) returns REDUCED to
+IDLE; UNSYNCED stays until a backward outside ``no_sync`` reduces the sum. IDLE*: a backward that
+raised before its end (ranks that disagree on what they reduced) drops what it left in flight. A
+handle counts as reduced in this backward (``reduced_this_backward``: the end-of-backward check
+compares it across ranks, and the post-backward refuses a part of the gradient that comes after
+it) in REDUCING, BUCKETED, COPYING and REDUCED. The stash of [Note: gradient stash] is apart from
+the state: the pre-backward makes it, and it is added to the reduced shard on the way to REDUCED,
+or put back on ``.grad`` at the end of a backward that brought no reduction (IDLE, UNSYNCED).
+
+[Note: finishing reductions early]
+A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
+for. The post-backward hook waits for the older ones once a newer one is sent, so one stays in
+flight while the next unit computes its gradients, and it would stay there through that unit's
+gradient peak: its parameters' gradients plus their concatenation into the flat gradient. The
+forward therefore hooks the backward of the split that made the parameter views: just before the
+concatenation allocates the flat gradient, the hook finishes (waits for) the reductions in flight,
+oldest first, freeing their inputs. By then the unit's whole backward has run since they were
+sent, so the wait rarely blocks, and the post-backward hook would have waited for them one
+concatenation later anyway. On the CPU the reduce-scatter of a few ranks is a point-to-point
+exchange that cannot be polled for completion (``fsdp.comm.collectives.reduce_scatter``), which is why
+the hook waits rather than polls. A reduction followed by an all-reduce across replicas
+(HYBRID_SHARD) is left for the post-backward hook, like a bucket not yet sent: issuing a collective
+or sending a bucket from here would change the order of collectives the schedule relies on.
+
+[Note: no_sync]
+Inside ``no_sync`` the post-backward hook adds the full gradient into ``_grad_acc`` (the master
+dtype) instead of reducing it. The full parameters follow ``reshard_after_forward`` as outside (as
+in fairscale and torch FSDP1): a unit that frees them after forward gathers them again for its
+backward and frees them after it, the root and ``reshard_after_forward=False`` keep theirs from
+forward to the next forward (their validity is tracked by ``flat_param._version``). So a window of
+micro-batches holds the shards, one full gradient per unit and the units being computed, and
+all-gathers as a plain step does. ``no_sync(keep_full_params=True)`` keeps every unit's full
+parameters instead: no collective runs after the first forward, for the memory of the unsharded
+model. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
+the sum once, so k micro-batches cost one reduction, exactly like one large batch. The sum is kept in
+the master dtype and reduced in the dtype of the gradient it joins (the compute dtype under mixed
+precision, unless a reduce dtype is set), so the reduction moves the bytes of any other step.
+``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model; an
+optimizer's ``zero_grad()`` cannot see it. When the full
+parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
+``.grad`` directly and nothing needs to be kept. The price is memory: a full gradient per unit
+stays allocated inside the context (with ``keep_full_params``, every unit's full parameters too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp.api import MEMORY_TRANSITIONS, CommConfig, MemoryState, check_transition
+from fsdp.comm.buckets import ReduceScatterBucketer
+from fsdp.comm.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
+from fsdp.common.device import DeviceHandle, SideCopies
+from fsdp.core.flat_param import (
+    FlatParamMeta,
+    _Entry,
+    is_placeholder,
+    make_meta,
+    make_placeholders,
+    set_module_tensor,
+    unflatten_views,
+)
+from fsdp.core.grad_hooks import AccumulatorHooks
+from fsdp.core.sharding import ShardSpec, shard_spec
+
+__all__ = ["GRAD_TRANSITIONS", "FlatParamHandle", "GradState", "MemoryStats", "free_unused_prefetches"]
+
+
+def _free_storage(t: torch.Tensor) -> int:
+    """Free ``t``'s memory (its storage keeps existing, with size 0); return the bytes freed."""
+    size = t.untyped_storage().size()
+    if size != 0:
+        t.untyped_storage().resize_(0)
+    return size
+
+
+def _alloc_storage(t: torch.Tensor) -> int:
+    """Give ``t``'s storage its memory back; return the bytes allocated."""
+    nbytes = t.numel() * t.element_size()
+    size = t.untyped_storage().size()
+    if size != nbytes:
+        t.untyped_storage().resize_(nbytes)
+    return nbytes - size
+
+
+class MemoryStats:
+    """Bytes of the buffers the handles of one tree allocate to unshard (full parameters in the
+    compute and the master dtype, a shard cast or copied for the all-gather), now and at the peak
+    since the last :meth:`reset`. Updated where the buffers are allocated and freed."""
+
+    __slots__ = ("current", "peak")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def reset(self) -> None:
+        self.peak = self.current
+
+
+class GradState(enum.Enum):
+    """Where a handle's gradient is in the current backward. See [Note: gradient state]."""
+
+    IDLE = enum.auto()
+    UNSYNCED = enum.auto()
+    REDUCING = enum.auto()
+    BUCKETED = enum.auto()
+    COPYING = enum.auto()
+    REDUCED = enum.auto()
+
+
+_G = GradState
+GRAD_TRANSITIONS: dict[GradState, frozenset[GradState]] = {
+    _G.IDLE: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED}),
+    _G.UNSYNCED: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED, _G.IDLE}),
+    _G.REDUCING: frozenset({_G.COPYING, _G.REDUCED, _G.IDLE}),
+    _G.BUCKETED: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.COPYING: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.REDUCED: frozenset({_G.IDLE}),
+}
+_REDUCED_THIS_BACKWARD = frozenset({_G.REDUCING, _G.BUCKETED, _G.COPYING, _G.REDUCED})
+del _G
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: NaN equals itself and -0.0 differs from 0.0 (``torch.equal`` says otherwise)."""
+    return a.dtype == b.dtype and torch.equal(
+        a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    )
+
+
+class _Uncounted(MemoryStats):
+    """The count of a handle no root holds (before the first forward, or after its root's context
+    was released): nothing is counted. Each root's context owns the one count of its tree."""
+
+    __slots__ = ()
+
+    def add(self, nbytes: int) -> None:
+        pass
+
+
+UNCOUNTED: MemoryStats = _Uncounted()
+
+
+class FlatParamHandle:
+    """Owns one flat parameter: shard, full buffers, gradient stash, pending reduction."""
+
+    meta: FlatParamMeta  # layout of the original parameters in the flat tensor
+    spec: ShardSpec  # this rank's chunk of the padded flat tensor
+    modules: list[nn.Module]  # owning module of each meta.params[i]
+    shared_modules: list[nn.Module]  # owning module of each meta.shared[i]
+    flat_param: nn.Parameter  # .data: _shard (SHARDED) or _active (UNSHARDED)
+    # stats, memory, rs_bucketer: the root's, handed over at its lazy init (join_root)
+    stats: CommStats | None  # collective calls and bytes of the tree (None: no root, not counted)
+    memory: MemoryStats  # unshard buffers of the tree (the root's, from its lazy init)
+    state: MemoryState  # changed only by _set_memory_state (MEMORY_TRANSITIONS)
+    compute_dtype: torch.dtype  # dtype of the all-gather and of compute
+    reduce_dtype: torch.dtype | None  # dtype of the gradient reduce-scatter (None: the gradient's)
+    _shard: torch.Tensor  # (chunk,) local master shard, meta.dtype (fp32 under mixed precision)
+    _lp_shard: torch.Tensor | None  # (chunk,) compute-dtype device copy of the shard to all-gather; freed
+    offloaded: bool  # the master shard (and its gradient) lives on the CPU, compute on another device
+    copies: SideCopies | None  # CUDA with offload: the side stream of host<->device copies
+    _grad_copy: tuple[torch.Tensor, Any] | None  # COPYING: (host gradient, event) of the copy in flight
+    _full: torch.Tensor  # (padded_numel,) compute-dtype full buffer; storage freed while SHARDED
+    _full_precision: torch.Tensor | None  # (padded_numel,) master-dtype full buffer for summon; freed
+    _active: torch.Tensor  # the full buffer flat_param.data points at while UNSHARDED
+    _full_version: int  # FULL_KEPT: flat_param._version when _full was kept (valid while unchanged)
+    grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
+    _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
+    _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
+    _gathering: tuple[torch.Tensor, Pending] | None  # (target buffer, in-flight all-gather) after prefetch()
+    rs_bucketer: ReduceScatterBucketer | None  # the root's reduce-scatter buckets (None: one collective each)
+    _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
+    _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
+    _placeholders_set: bool  # the modules' attributes are the stand-ins now
+    # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
+    _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
+    accumulators: AccumulatorHooks  # the post-backward's hooks: see [Note: gradient accumulators]
+
+    def __init__(
+        self,
+        entries: Sequence[_Entry],
+        shared: Sequence[tuple[_Entry, int]],
+        module_of: dict[str, nn.Module],
+        comm: CommConfig,
+        device: torch.device,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
+    ) -> None:
+        self.meta = make_meta(entries, shared)
+        self.comm = comm
+        self.leave_root()  # (until the first forward's root hands over its objects)
+        self.spec = shard_spec(self.meta.numel, comm.world_size, comm.rank)
+        self.modules = [module_of[p.module_name] for p in self.meta.params]
+        self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
+        self.compute_dtype = param_dtype if param_dtype is not None else self.meta.dtype
+        self.reduce_dtype = reduce_dtype
+        with torch.no_grad():  # straight into the padded buffer: one unit's copy beside the parameters
+            padded = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=device)
+            for e, info in zip(entries, self.meta.params):
+                padded[info.offset : info.offset + info.numel].view(info.shape).copy_(e.param)
+            padded[self.meta.numel :].zero_()
+        # With CPU offload the master shard lives in (pinned) host memory; on a CPU compute device
+        # that is where it is anyway, and nothing changes.
+        self.compute_device = device  # where the full parameter and the collectives live
+        self.offloaded = offload and device.type != "cpu"
+        if comm.world_size == 1 and not self.mixed and not self.offloaded:
+            self._shard = padded
+        else:
+            self._shard = padded[self.spec.start : self.spec.end].clone()
+            if self.offloaded:
+                self._shard = DeviceHandle(device).pin_memory(self._shard.cpu())
+        self.flat_param = nn.Parameter(self._shard, requires_grad=self.meta.requires_grad)
+        self._start_sharded(padded)
+
+    def _start_sharded(self, padded: torch.Tensor | None = None) -> None:
+        """The state of a handle between steps, around its shard (``flat_param.data``): full
+        buffers made and freed, no gradient in flight, hooks and stand-ins installed."""
+        cuda = self.offloaded and self.compute_device.type == "cuda"
+        self.copies = SideCopies.for_device(self.compute_device) if cuda else None
+        self._grad_copy = None
+        self._make_full_buffers(padded)
+        self.state = MemoryState.SHARDED
+        self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
+        self._grad_acc = self._full_grad = None
+        self.grad_state = GradState.IDLE
+        self.accumulators = AccumulatorHooks(self.flat_param)
+        self._placeholders = make_placeholders(self)
+        self.remove_module_tensors()
+
+    def _make_full_buffers(self, padded: torch.Tensor | None = None) -> None:
+        """The buffers derived from the shard, for its dtype and the compute dtype and device, all
+        freed: ``_full`` (``_shard`` itself when aliased), ``_full_precision`` and ``_lp_shard`` under
+        mixed precision, ``_lp_shard`` under offload. ``padded`` (the full master-dtype values at
+        construction) lends its storage to a full buffer of its dtype."""
+        device, numel = self.compute_device, self.spec.padded_numel
+        if self.spec.world_size == 1 and not self.mixed and not self.offloaded:
+            self._full = self._shard
+        elif self.mixed or padded is None:
+            self._full = torch.empty(numel, dtype=self.compute_dtype, device=device)
+            _free_storage(self._full)
+        else:
+            self._full = padded
+            _free_storage(self._full)
+        self._full_precision = self._lp_shard = None
+        if self.mixed:  # the master-dtype full buffer (summon, state dict)
+            self._full_precision = (
+                padded if padded is not None else torch.empty(numel, dtype=self.meta.dtype, device=device)
+            )
+            _free_storage(self._full_precision)
+        if self.mixed or self.offloaded:
+            self._lp_shard = torch.empty(self.spec.chunk, dtype=self.compute_dtype, device=device)
+            _free_storage(self._lp_shard)
+        self._active = self._full
+        self._full_version = -1
+
+    def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
+        """``module.half()`` / ``.to()`` / ``.cuda()`` replaced ``flat_param.data`` between steps: the
+        new tensor is the shard, the master dtype is its dtype, the compute dtype ``param_dtype`` (its
+        own without mixed precision) and the compute ``device``; every buffer derived from the shard
+        is made again (freed), and the stand-ins of the original parameters take the new dtype."""
+        assert self.state is not MemoryState.UNSHARDED and self._gathering is None, (
+            "converted while unsharded"
+        )
+        self._free_full()  # (a compute buffer kept from a forward holds the old values)
+        data = self.flat_param.data
+        self.compute_device = device
+        if self.offloaded:  # (the device stays the host: a conversion moving it is refused before)
+            data = DeviceHandle(device).pin_memory(data)
+            self.flat_param.data = data
+        self._shard = data
+        self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
+        self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
+        grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
+        unsynced = self.grad_state is GradState.UNSYNCED
+        self._start_sharded()
+        if grad_acc is not None:
+            self._grad_acc = grad_acc.to(device=device, dtype=data.dtype)
+        if unsynced:
+            self._set_grad_state(GradState.UNSYNCED)
+
+    # ------------------------------------------------------------------ copies
+    # What a copy or a pickle of the handle keeps: its layout, its flat parameter (the shard, its data)
+    # and its modules; the rest is made anew (freed full buffers, hooks) or dropped (the process
+    # groups: the wrapper gives them back; gradients, as a copied nn.Parameter has none).
+    # See [Note: copies of a wrapped model] in fsdp/wrapper/module_ops.py.
+    _COPIED = (
+        "meta", "spec", "modules", "shared_modules", "flat_param", "compute_dtype", "reduce_dtype",
+        "compute_device", "offloaded",
+    )  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        assert self.state is not MemoryState.UNSHARDED and self._gathering is None, "copied while unsharded"
+        return {name: getattr(self, name) for name in self._COPIED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.comm = None  # type: ignore[assignment]  # (set by the wrapper right after)
+        self.leave_root()
+        self._shard = self.flat_param.data
+        if self.offloaded:
+            self._shard = self.flat_param.data = DeviceHandle(self.compute_device).pin_memory(self._shard)
+        self.flat_param.grad = None
+        self._start_sharded()
+
+    # ------------------------------------------------------------------ the root's objects
+    def join_root(
+        self, stats: CommStats, memory: MemoryStats, rs_bucketer: ReduceScatterBucketer | None
+    ) -> None:
+        """Count in the root's ``stats`` and ``memory`` and send small gradients through its
+        ``rs_bucketer`` (its context hands them over at its lazy init); the bytes held now join ``memory``."""
+        self.stats, self.memory, self.rs_bucketer = stats, memory, rs_bucketer
+        memory.add(self.unshard_bytes())
+
+    def leave_root(self) -> None:
+        """Drop the root's objects (no root yet, or its context was released) until the next lazy init."""
+        self.stats, self.memory, self.rs_bucketer = None, UNCOUNTED, None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def aliased(self) -> bool:
+        """World size 1 without casting: the full parameter is the shard itself."""
+        return self._full is self._shard
+
+    @property
+    def holds_full(self) -> bool:
+        """Whether the full flat parameter's values for the current shard are in memory: unsharded, or
+        the compute buffer kept since a forward and the shard unchanged since (always when aliased)."""
+        if self.state is MemoryState.UNSHARDED:
+            return True
+        return self.aliased or self._kept_full_valid
+
+    @property
+    def _kept_full_valid(self) -> bool:
+        """FULL_KEPT, and the shard unchanged since: the kept full parameter is its all-gather."""
+        return self.state is MemoryState.FULL_KEPT and self._full_version == self.flat_param._version
+
+    @property
+    def gathers(self) -> bool:
+        """Its unshard is an all-gather across ranks (not a copy, a cast or nothing)."""
+        return self.spec.world_size > 1
+
+    @property
+    def prefetched(self) -> bool:
+        """An all-gather was launched by :meth:`prefetch` and not yet used by :meth:`unshard`."""
+        return self._gathering is not None
+
+    @property
+    def shard_device(self) -> torch.device:
+        """Where the master shard, its gradient and its optimizer state live: the host when offloaded."""
+        return self._shard.device
+
+    @property
+    def mixed(self) -> bool:
+        """Compute runs in a lower precision than the master shard."""
+        return self.compute_dtype != self.meta.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the flat parameter trains now: set at construction by the originals' flag, and
+        changed since by ``requires_grad_()`` on it (``use_orig_params=True``: one per parameter)."""
+        return self.flat_param.requires_grad
+
+    def sharded_data(self) -> torch.Tensor:
+        """This rank's shard (what ``flat_param.data`` is between steps)."""
+        return self._shard
+
+    def unshard_bytes(self) -> int:
+        """The bytes this handle's unshard buffers hold now (what :class:`MemoryStats` counts)."""
+        held = [] if self.aliased else [self._full]
+        held += [t for t in (self._full_precision, self._lp_shard) if t is not None]
+        return sum(t.untyped_storage().size() for t in held)
+
+    # ------------------------------------------------------------------ verbs
+    def unshard(self, full_precision: bool = False) -> None:
+        """All-gather the full flat parameter and make it ``flat_param.data``. Collective.
+
+        In compute precision (forward, backward) the shard is first cast to the compute dtype, so
+        the all-gather moves compute-dtype bytes; the gather is skipped when the full buffer still
+        holds the current shard's values (kept after a forward with ``reshard_after_forward=False``
+        and not invalidated by an in-place update since). With ``full_precision`` (summon, state
+        dict) the master shards are gathered instead. Finishes a gather started by :meth:`prefetch`.
+        """
+        if self.state is MemoryState.UNSHARDED:
+            assert not (full_precision and self.mixed and self._active is self._full), (
+                "unsharded in compute dtype"
+            )
+            return
+        if full_precision and self._full_precision is not None and self._gathering is not None:
+            if self._gathering[0] is not self._full_precision:  # a compute-dtype prefetch never used
+                self.reshard(free_full=False)  # (lets it land), then gather the fp32 masters below
+        self.prefetch(full_precision)
+        assert self._gathering is not None
+        buf, pending = self._gathering
+        self._gathering = None
+        pending.wait()
+        if self._lp_shard is not None:
+            self.memory.add(-_free_storage(self._lp_shard))
+        self._active = buf
+        self.flat_param.data = buf
+        self._set_memory_state(MemoryState.UNSHARDED)
+
+    def prefetch(self, full_precision: bool = False) -> None:
+        """Launch the all-gather of :meth:`unshard` without waiting for it. Collective.
+
+        The full buffer is allocated now; the gather runs in the background (gloo's worker thread,
+        NCCL's stream) while the caller computes, and :meth:`unshard` waits for it.
+        """
+        if self.state is MemoryState.UNSHARDED or self._gathering is not None:
+            return
+        self._adopt_user_data()
+        if full_precision and self._full_precision is not None:
+            buf = self._full_precision
+            self.memory.add(_alloc_storage(buf))
+            if self.spec.world_size == 1:
+                buf.copy_(self._shard)
+                pending = Pending(None, buf)
+            else:
+                source = self._shard.to(buf.device)  # a device copy when the shard is offloaded
+                pending = all_gather(buf, source, self.comm.process_group, self.stats)
+        else:
+            buf = self._full
+            if self.aliased or self._kept_full_valid:
+                pending = Pending(None, buf)
+            else:
+                self.memory.add(_alloc_storage(buf))
+                pending = self._gather_compute_(buf)
+        self._gathering = (buf, pending)
+
+    def _gather_compute_(self, buf: torch.Tensor) -> Pending:
+        if self._lp_shard is None:
+            return all_gather(buf, self._shard, self.comm.process_group, self.stats)
+        if self.spec.world_size == 1:  # cast and/or host-to-device copy
+            if self.copies is not None:
+                return Pending(self.copies.to_device(buf, self._shard), buf, (self._shard,))
+            buf.copy_(self._shard)
+            return Pending(None, buf)
+        self.memory.add(_alloc_storage(self._lp_shard))
+        # cast before the all-gather (half the bytes on the wire), and/or copy the offloaded shard in
+        if self.copies is None:
+            self._lp_shard.copy_(self._shard)
+            return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
+        with self.copies.side():  # the copy overlaps compute; the all-gather follows the copy
+            self._lp_shard.copy_(self._shard, non_blocking=True)
+            return all_gather(buf, self._lp_shard, self.comm.process_group, self.stats)
+
+    def reshard(self, free_full: bool = True) -> None:
+        """Point ``flat_param.data`` back at the shard; free the full buffer, or keep it (FULL_KEPT)
+        with ``free_full=False`` when it holds the compute-dtype gather (a master-dtype one, shown by a
+        summon, is always freed)."""
+        if self._gathering is not None:  # prefetched but never used: let the gather land first
+            self.unshard()
+        if self.state is not MemoryState.UNSHARDED:
+            if free_full:
+                self._free_full()
+            return
+        self.flat_param.data = self._shard
+        self.remove_module_tensors()
+        if self._full_precision is not None:
+            self.memory.add(-_free_storage(self._full_precision))
+        keep = not free_full and self._active is self._full and not self.aliased
+        self._active = self._full
+        if keep:
+            self._full_version = self.flat_param._version
+            self._set_memory_state(MemoryState.FULL_KEPT)
+        else:
+            self._set_memory_state(MemoryState.SHARDED)
+            self._free_full()
+
+    def _free_full(self) -> None:
+        """Free the compute-dtype full buffer (nothing when aliased): FULL_KEPT becomes SHARDED."""
+        if not self.aliased:
+            self.memory.add(-_free_storage(self._full))
+        if self.state is MemoryState.FULL_KEPT:
+            self._set_memory_state(MemoryState.SHARDED)
+
+    def _set_memory_state(self, state: MemoryState) -> None:
+        """The one way the memory state changes (after the buffers changed). See [Note: flat parameter data]."""
+        check_transition("memory state", self.state, state, MEMORY_TRANSITIONS)
+        assert state is not MemoryState.FULL_KEPT or not self.aliased, "an aliased full parameter kept"
+        self.state = state
+
+    def _adopt_user_data(self) -> None:
+        """Follow a user who replaced ``flat_param.data`` between steps (e.g. ``p.data = t``)."""
+        data = self.flat_param.data
+        if data.data_ptr() == self._shard.data_ptr() and data.shape == self._shard.shape:
+            return
+        if data.device != self._shard.device:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a flat parameter was moved to {data.device}, but its shard lives on "
+                f"{self._shard.device} (the host under CPU offload; else the compute device). Do not call "
+                ".to()/.cuda()/.cpu() on a wrapped model: move the module before wrapping it, or pass "
+                "compute_device / move_params_to_cpu"
+            )
+        if data.shape != self._shard.shape or data.dtype != self._shard.dtype:
+            raise RuntimeError(
+                "FullyShardedDataParallel: a flat parameter's data was replaced by a tensor of shape "
+                f"{tuple(data.shape)} and dtype {data.dtype}; it must keep its local shard's shape "
+                f"{tuple(self._shard.shape)} and dtype {self._shard.dtype}"
+            )
+        self._free_full()  # (a full parameter kept for the old shard)
+        if self.aliased:
+            self._full = data
+        self._shard = data
+
+    def write_back_(self) -> None:
+        """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
+        assert self.state is MemoryState.UNSHARDED
+        if not self.aliased:
+            chunk = self._active[self.spec.start : self.spec.end]
+            with torch.no_grad():
+                # an unchanged chunk is not written: the write would bump the flat parameter's version,
+                # which a pending backward (a summon between forward and backward) refuses
+                if _same_bits(chunk.to(self._shard.device), self._shard):
+                    return
+                self._shard.copy_(chunk)
+            # (the shard changed under the full buffer's feet: the summon that wrote it frees it next)
+
+    # ------------------------------------------------------------------ module attributes
+    def use_full_views(self, as_parameters: bool, before_concat: Callable[[], None] | None = None) -> None:
+        """Set the modules' attributes to views of the full parameter.
+
+        In forward the views come from ``flat_param`` so autograd routes their gradients into
+        ``flat_param.grad``; as parameters (summon / state dict) they are plain views of ``_full``.
+        ``before_concat`` runs in backward just before the views' gradients are concatenated into
+        the flat gradient (see [Note: finishing reductions early]).
+        """
+        assert self.state is MemoryState.UNSHARDED
+        if self._placeholders_set:
+            self._check_placeholders()
+            self._placeholders_set = False
+        source = self._active if as_parameters else self.flat_param
+        views = unflatten_views(source, self.meta, before_concat)
+        for info, module, view in zip(self.meta.params, self.modules, views, strict=True):
+            if as_parameters:
+                view = nn.Parameter(view, requires_grad=self.flat_param.requires_grad)
+            set_module_tensor(module, info.param_name, view, as_parameters)
+        for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
+            primary = self.modules[sinfo.primary]
+            set_module_tensor(
+                module,
+                sinfo.param_name,
+                getattr(primary, self.meta.params[sinfo.primary].param_name),
+                as_parameters,
+            )
+
+    def _check_placeholders(self) -> None:
+        """Refuse a module attribute replaced while sharded (``layer.weight = nn.Parameter(...)``): the
+        flat parameter holds the values, and the replacement would be dropped silently."""
+        pairs = [
+            (info.fqn, info.param_name, m) for info, m in zip(self.meta.params, self.modules, strict=True)
+        ]
+        pairs += [
+            (s.fqn, s.param_name, m) for s, m in zip(self.meta.shared, self.shared_modules, strict=True)
+        ]
+        for fqn, name, module in pairs:
+            if not is_placeholder(module.__dict__.get(name)) or name in module._parameters:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {fqn!r} was replaced after wrapping; the wrapper's flat parameter "
+                    "holds its values and would ignore the new one. Change the model before wrapping it, or write "
+                    "new values inside `with model.summon_full_params():`"
+                )
+
+    def remove_module_tensors(self) -> None:
+        """Replace the modules' attributes by meta-device placeholders. See [Note: storage resize]."""
+        self._placeholders_set = True
+        if self._placeholders and self._placeholders[0].requires_grad != self.flat_param.requires_grad:
+            # (``root.requires_grad_(False)`` reached the flat parameter): the stand-ins follow
+            self._placeholders = make_placeholders(self)
+        for info, module, placeholder in zip(self.meta.params, self.modules, self._placeholders, strict=True):
+            set_module_tensor(module, info.param_name, placeholder, as_parameter=False)
+        for sinfo, module in zip(self.meta.shared, self.shared_modules, strict=True):
+            set_module_tensor(module, sinfo.param_name, self._placeholders[sinfo.primary], as_parameter=False)
+
+    # ------------------------------------------------------------------ summon with gradients
+    def gather_grad(self) -> None:
+        """All-gather the shard gradients into a full flat gradient (master dtype, compute device).
+        Collective: a flag first, so that no gradient anywhere shows none, a rank without one adds
+        zeros. ``show_grad`` then hangs its views on the shown parameters; ``release_grad`` ends it."""
+        assert self._full_grad is None, "gradients gathered twice"
+        if not self.requires_grad:
+            self._full_grad = (None, None, [])
+            return
+        shard_grad = self.flat_param.grad
+        whole = self.spec.world_size == 1  # (NO_SHARD's group is every rank: its shard is the whole)
+        present = torch.tensor([int(shard_grad is not None)], device=self.compute_device)
+        if not whole:
+            all_reduce(present, self.comm.process_group, dist.ReduceOp.MAX, self.stats).wait()
+        if not present.item():
+            self._full_grad = (None, None, [])
+            return
+        source = self._shard.new_zeros(self._shard.shape) if shard_grad is None else shard_grad
+        full = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
+        if whole:
+            full.copy_(source)
+        else:
+            all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
+        self.memory.add(full.untyped_storage().size())
+        self._full_grad = (full, shard_grad, [])
+
+    def show_grad(self) -> None:
+        """Set each shown original parameter's ``.grad`` to its view of the gathered gradient."""
+        assert self._full_grad is not None and self.state is MemoryState.UNSHARDED
+        full, shard_grad, _ = self._full_grad
+        if full is None:
+            return
+        views = unflatten_views(full, self.meta)
+        for info, module, view in zip(self.meta.params, self.modules, views):
+            getattr(module, info.param_name).grad = view
+        self._full_grad = (full, shard_grad, views)
+
+    def release_grad(self, write_back: bool) -> None:
+        """Drop the full gradient; with ``write_back``, this rank's chunk of the gradients the
+        parameters show now (changed in place, replaced or set to None) becomes the shard gradient."""
+        if self._full_grad is None:
+            return
+        full, shard_grad, views = self._full_grad
+        self._full_grad = None
+        if write_back and self.state is MemoryState.UNSHARDED:
+            shown = [getattr(m, info.param_name).grad for info, m in zip(self.meta.params, self.modules)]
+            if all(g is None for g in shown):
+                self.flat_param.grad = None
+            elif full is None or any(g is not v for g, v in zip(shown, views, strict=True)):
+                # (a gradient replaced or set to None: the chunk is built again from what is shown)
+                now = torch.zeros(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
+                for g, view in zip(shown, unflatten_views(now, self.meta)):
+                    if g is not None:
+                        view.copy_(g)
+                self._write_grad_chunk(now, shard_grad)
+            else:
+                self._write_grad_chunk(full, shard_grad)
+        if full is not None:
+            self.memory.add(-full.untyped_storage().size())
+
+    def _write_grad_chunk(self, full: torch.Tensor, shard_grad: torch.Tensor | None) -> None:
+        chunk = full[self.spec.start : self.spec.end].to(self.shard_device)
+        if shard_grad is None and not chunk.any():  # (the zeros this rank contributed): still none
+            return
+        if shard_grad is not None and _same_bits(chunk, shard_grad):
+            grad = shard_grad
+        elif shard_grad is not None:
+            with torch.no_grad():
+                grad = shard_grad.copy_(chunk)
+        else:
+            grad = chunk.clone()
+        # a shard-shaped gradient is assigned to a shard-shaped parameter (it is full-shaped now)
+        data, self.flat_param.data = self.flat_param.data, self._shard
+        self.flat_param.grad = grad
+        self.flat_param.data = data
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_gradient_for_backward(self) -> None:
+        """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
+        grad = self.flat_param.grad
+        param = self.flat_param
+        if grad is None or (
+            grad.shape == param.shape and grad.dtype == param.dtype and grad.device == param.device
+        ):
+            return
+        assert self._saved_grad_shard is None, "gradient stashed twice in one backward"
+        self._saved_grad_shard = grad
+        self.flat_param.grad = None
+
+    def reduce_grad(self, sync: bool = True, bucketed: bool = False, keep_full: bool = True) -> None:
+        """Launch the reduction of the full gradient; reshard. Runs in the post-backward hook.
+
+        Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
+        g1 = [5, 6, 7, 8] on rank 1: after reduce-scatter and division by the world size rank 0
+        holds [3, 4] and rank 1 holds [5, 6] (the mean of the ranks' gradients, chunk by chunk).
+        With a replicate group (NO_SHARD, HYBRID_SHARD) the shard is then all-reduced across it.
+
+        With ``sync=False`` (inside ``no_sync``) nothing is communicated: the full gradient is added
+        to a local accumulator, and the full parameter is kept for the next forward with
+        ``keep_full``, else freed. See [Note: no_sync].
+
+        With ``bucketed`` (NO_SHARD under a root that owns a bucket engine) nothing is launched here:
+        the gradient is left on ``flat_param.grad`` in the master dtype, for the engine to reduce
+        with its neighbours in one bucket; ``finalize_gradient`` then only accumulates.
+        """
+        grad = self.flat_param.grad
+        assert grad is not None and grad.shape == self.flat_param.shape, (
+            "post-backward without a full gradient"
+        )
+        if not sync:
+            if not self.aliased:  # aliased: autograd itself accumulates into .grad across backwards
+                self.flat_param.grad = None
+                acc = grad.to(self.meta.dtype)
+                self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
+            self._set_grad_state(GradState.UNSYNCED)
+            self.reshard(free_full=not keep_full)
+            return
+        self.flat_param.grad = None
+        if self._grad_acc is not None:  # the sum is reduced in the dtype a plain backward reduces in
+            wire_dtype = self.reduce_dtype or grad.dtype
+            grad = self._grad_acc.add_(grad)
+            self._grad_acc = None
+            if not bucketed:
+                grad = grad.to(wire_dtype)
+        if bucketed:
+            full = grad.to(device=self._shard.device, dtype=self.meta.dtype)
+            self.reshard(free_full=True)
+            self.flat_param.grad = full  # NO_SHARD: the full gradient is shard-shaped
+            self._set_grad_state(GradState.BUCKETED)
+            return
+        if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
+        grad = grad.contiguous()
+        if self.comm.gradient_predivide_factor != 1:
+            grad.div_(self.comm.gradient_predivide_factor)
+        replicate = self.comm.replicate_group
+        if self.spec.world_size > 1:  # (HYBRID_SHARD: then across replicas, when it is finished)
+            group = self.comm.process_group_reduce_scatter
+            # the reduced chunk is allocated when needed: on the CPU only once the sum is done
+            if self.rs_bucketer is not None:  # small gradients share one collective
+                self._pending = self.rs_bucketer.reduce_scatter(None, grad, group)
+            else:
+                self._pending = reduce_scatter(None, grad, group, self.stats)
+        elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
+            self._pending = all_reduce(grad, replicate, stats=self.stats)
+        else:
+            self._pending = Pending(None, grad)
+        self._set_grad_state(GradState.REDUCING)
+        self.reshard(free_full=True)
+
+    def discard_accumulated_grad(self) -> None:
+        """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
+        self._grad_acc = None
+        if self.grad_state is GradState.UNSYNCED:
+            self._set_grad_state(GradState.IDLE)
+
+    def end_backward(self) -> None:
+        """End of backward: a reduced gradient is just the shard gradient now; what a backward that
+        raised before its end left in flight is dropped. See [Note: gradient state]."""
+        if self.grad_state in _REDUCED_THIS_BACKWARD:
+            self._pending = self._grad_copy = None  # (set only after such a backward)
+            self._set_grad_state(GradState.IDLE)
+
+    def _set_grad_state(self, state: GradState) -> None:
+        """The one way the gradient state changes; checks the change and what each state holds."""
+        check_transition("gradient state", self.grad_state, state, GRAD_TRANSITIONS)
+        assert (self._pending is not None) == (state is GradState.REDUCING), "a reduction outside REDUCING"
+        assert (self._grad_copy is not None) == (state is GradState.COPYING), "a host copy outside COPYING"
+        assert self._grad_acc is None or state is GradState.UNSYNCED, (
+            "an accumulated gradient outside UNSYNCED"
+        )
+        self.grad_state = state
+
+    @property
+    def reduced_this_backward(self) -> bool:
+        """This backward's gradient went to a reduction (sent, queued, bucketed, or finished)."""
+        return self.grad_state in _REDUCED_THIS_BACKWARD
+
+    @property
+    def _hybrid(self) -> bool:
+        """The reduced shard is all-reduced across replicas once its reduce-scatter is finished."""
+        return self.spec.world_size > 1 and self.comm.replicate_group is not None
+
+    @property
+    def reduction_pending(self) -> bool:
+        """A reduction of this backward waits to be finished (sent or queued in a bucket)."""
+        return self.grad_state is GradState.REDUCING
+
+    @property
+    def reduction_launched(self) -> bool:
+        """A reduction of this backward is in flight (sent, not yet waited for)."""
+        return self._pending is not None and self._pending.launched
+
+    @property
+    def reduction_finishable(self) -> bool:
+        """This backward's reduction is sent, and ``finalize_gradient`` would issue no collective."""
+        return self._pending is not None and self._pending.launched and not self._hybrid
+
+    def finalize_gradient(self, asynchronous: bool = False) -> None:
+        """Finish this backward's reduction and set ``flat_param.grad`` to the (accumulated) shard
+        gradient: REDUCING and BUCKETED go on to REDUCED. See [Note: gradient state].
+
+        With an offloaded shard on CUDA the gradient is copied to the host on the side stream
+        (COPYING); with ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which
+        the end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
+        """
+        if self.grad_state is GradState.REDUCING:
+            self._finish_reduction()
+        elif self.grad_state is GradState.BUCKETED:  # reduced (and averaged) in place by the bucket engine
+            if self._saved_grad_shard is not None:
+                grad = self.flat_param.grad
+                self.flat_param.grad = (
+                    self._saved_grad_shard if grad is None else self._saved_grad_shard.add_(grad)
+                )
+                self._saved_grad_shard = None
+            self._set_grad_state(GradState.REDUCED)
+        if self.grad_state is GradState.COPYING:
+            if asynchronous:
+                return  # the blocking call collects it (no host wait during backward)
+            assert self._grad_copy is not None and self.copies is not None
+            host, event = self._grad_copy
+            self._grad_copy = None
+            self.copies.device.synchronize_event(event)
+            self._set_grad(host)
+            self._set_grad_state(GradState.REDUCED)
+        # no new gradient this backward: restore the old one, once flat_param is the shard again
+        if self._saved_grad_shard is not None and self.state is not MemoryState.UNSHARDED:
+            self.flat_param.grad = self._saved_grad_shard
+            self._saved_grad_shard = None
+        if self.copies is not None and not asynchronous:
+            self.copies.synchronize()  # nothing queued may still read or write host memory
+
+    def _finish_reduction(self) -> None:
+        """REDUCING -> COPYING (offloaded on CUDA) or REDUCED: wait for the reduction, finish it."""
+        assert self._pending is not None
+        out = self._pending.wait()
+        self._pending = None
+        if self._hybrid:
+            assert self.comm.replicate_group is not None
+            all_reduce(out, self.comm.replicate_group, stats=self.stats).wait()
+        if self.comm.gradient_postdivide_factor != 1:
+            out.div_(self.comm.gradient_postdivide_factor)
+        # gradients always land on the master shard: its dtype, and its device (CPU when offloaded)
+        if self.copies is not None:
+            self._grad_copy = self.copies.to_host(out, self.meta.dtype)
+            self._set_grad_state(GradState.COPYING)
+        else:
+            self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+            self._set_grad_state(GradState.REDUCED)
+
+    def _set_grad(self, grad: torch.Tensor) -> None:
+        if self._saved_grad_shard is not None:
+            grad = self._saved_grad_shard.add_(grad)
+            self._saved_grad_shard = None
+        self.flat_param.grad = grad
+
+
+def free_unused_prefetches(handles: Sequence[FlatParamHandle]) -> None:
+    """Free the full parameters of units prefetched but not run (a forward that skipped them)."""
+    for h in handles:
+        if h.prefetched:
+            h.reshard(free_full=True)

@@ -1,0 +1,94 @@
+"""The root's context: what a root shares with every wrapper of its tree, made once at its lazy init.
+
+It is the one owner of the tree's shared objects, as FSDP2's root owns its ``FSDPCommContext``: the
+device handle, the collective and memory statistics, the bucketers, the schedule, the reductions in
+flight and the step's flags. Each handle gets the objects it uses at the lazy init
+(``FlatParamHandle.join_root``) and drops them when the context is released.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Generic, TypeVar
+
+from torch import nn
+
+from fsdp.comm.buckets import GradBucketer, ReduceScatterBucketer
+from fsdp.comm.collectives import CommStats
+from fsdp.comm.consistency import wrapper_path
+from fsdp.comm.schedule import Scheduler
+from fsdp.common.device import DeviceHandle
+from fsdp.core.handle import FlatParamHandle, MemoryStats
+from fsdp.core.no_shard_buckets import make_no_shard_bucketer
+from fsdp.core.wrapper_protocol import Wrapper
+
+__all__ = ["RootContext"]
+
+
+W = TypeVar("W", bound=Wrapper)
+
+
+class RootContext(Generic[W]):
+    """State shared by every wrapper (``W``) under one root, created once at the root's lazy init."""
+
+    device: DeviceHandle
+    stats: CommStats  # collective calls and bytes of every wrapper in the tree
+    memory: MemoryStats  # unshard buffers of every wrapper in the tree, now and at the peak
+    rs_bucketer: ReduceScatterBucketer | None  # small gradients' reduce-scatters (None: bucket_cap_mb=0)
+    callback_queued: bool  # the end-of-backward callback of the current backward is queued
+    sync: bool  # False inside no_sync(): gradients accumulate locally, nothing is reduced
+    keep_full: bool  # inside no_sync(keep_full_params=True): every unit keeps its full parameters
+    bucketer: GradBucketer | None  # reduces NO_SHARD flat parameters in learned buckets
+    bucket_index: dict[int, int]  # id(handle) -> its index in the bucketer
+    scheduler: Scheduler  # unit order, prefetching, all-gather limiter (the root's schedule config)
+    in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
+    registrations: int  # the process's registration count at the root's last look at its modules
+    fingerprint: int  # digest of the wrapper tree, agreed at lazy init; every step's handshake carries it
+
+    def __init__(self, device: DeviceHandle, wrappers: list[W]) -> None:
+        self.device = device
+        self.stats = CommStats()
+        self.memory = MemoryStats()
+        root = wrappers[0].fsdp_config
+        cap = int(root.comm.bucket_cap_mb * 2**20)
+        self.rs_bucketer = ReduceScatterBucketer(cap, self.stats) if cap > 0 else None
+        # weakly: the root holds this context, so holding the root here would be a reference cycle
+        # (a deleted model would then wait for the cyclic garbage collector to free its memory)
+        self._wrappers = [weakref.ref(w) for w in wrappers]
+        self.callback_queued = False
+        self.sync = True
+        self.keep_full = False
+        self.bucketer = None
+        self.bucket_index = {}
+        self.scheduler = Scheduler(root.schedule, device)
+        self.in_flight = collections.deque()
+        self.registrations = -1
+        self.fingerprint = 0
+
+    @property
+    def wrappers(self) -> list[W]:
+        """Root first, then the nested wrappers in module order (those still alive)."""
+        return [w for w in self.wrappers_as_built() if w is not None]
+
+    def wrappers_as_built(self) -> list[W | None]:
+        """The wrappers at the root's lazy init; None for one that was removed and freed since."""
+        return [w() for w in self._wrappers]
+
+    def share_with(self, handle: FlatParamHandle) -> None:
+        """Hand ``handle`` the statistics and the reduce-scatter bucketer this context owns."""
+        handle.join_root(self.stats, self.memory, self.rs_bucketer)
+
+    def make_bucketer(self, root: nn.Module) -> None:
+        """The bucket engine for the tree's NO_SHARD flat parameters (shared with DistributedDataParallel),
+        made again when the gradient divide factors change. ``root``: the root wrapper (names)."""
+        items = [
+            (f"{wrapper_path(root, w)}:{'+'.join(h.meta.fqns)}", h) for w in self.wrappers for h in w.handles
+        ]
+        cap = self.wrappers[0].fsdp_config.comm.bucket_cap_mb
+        self.bucketer, self.bucket_index = make_no_shard_bucketer(items, cap, self.device, self.stats)
+
+    def finish_reductions(self) -> None:
+        """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
+        while self.in_flight and self.in_flight[0].reduction_finishable:
+            self.in_flight.popleft().finalize_gradient(asynchronous=True)
