@@ -64,7 +64,7 @@ from fsdp.checkpoints.files import (
 )
 from fsdp.comm.consistency import collective
 from fsdp.core.layout import Layout, agree
-from fsdp.state.optim_state import (
+from fsdp.state.optim_sharded import (
     OptimLoadPlan,
     apply_sharded_optim_state_dict,
     check_sharded_optim_state_dict,

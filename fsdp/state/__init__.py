@@ -1,8 +1,8 @@
 """State dicts and optimizer state of a wrapped model, in memory.
 
 Owns: local state dicts (``local.py``), the full, sharded and plain-parent state dicts
-(``state_dict.py``), optimizer state per original parameter, gathered and sharded
-(``optim_state.py``), and fairscale's form of a gathered optimizer state (``optim_fairscale.py``).
+(``state_dict.py``), optimizer state per original parameter, gathered (``optim_state.py``) and sharded
+(``optim_sharded.py``), and fairscale's form of a gathered optimizer state (``optim_fairscale.py``).
 Works on a ``fsdp.core.layout.Layout`` and on wrappers typed as ``fsdp.core.wrapper_protocol.Wrapper``;
 never imports the wrapper. Files on disk are ``fsdp.checkpoints``.
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.wrap.policies import config_auto_wrap_policy, wrap_children
+from fsdp.wrap.context import wrap_children
+from fsdp.wrap.policies import config_auto_wrap_policy
 from fsdp.wrapper.fully_sharded import FullyShardedDataParallel
 
 __all__ = ["auto_wrap_bn"]

@@ -14,9 +14,10 @@ from typing import Generic, TypeVar
 
 from torch import nn
 
-from fsdp.comm.buckets import GradBucketer, ReduceScatterBucketer
+from fsdp.comm.buckets import GradBucketer
 from fsdp.comm.collectives import CommStats
 from fsdp.comm.consistency import wrapper_path
+from fsdp.comm.rs_buckets import ReduceScatterBucketer
 from fsdp.comm.schedule import Scheduler
 from fsdp.common.device import DeviceHandle
 from fsdp.core.handle import FlatParamHandle, MemoryStats

@@ -21,6 +21,7 @@ from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch
 from fsdp.comm.consistency import collective
 from fsdp.core.wrapper_protocol import WrapperMixin
 from fsdp.state import local as state_local
+from fsdp.state import optim_sharded
 from fsdp.state import optim_state as optim_impl
 from fsdp.state import state_dict as sd_impl
 
@@ -363,14 +364,14 @@ class StateDictMethods(WrapperMixin):
     def sharded_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, per-element state as row-sharded ``DTensor``s, for
         ``torch.distributed.checkpoint``: it reshards without being gathered on one rank. Collective."""
-        return optim_impl.sharded_optim_state_dict(self._state_layout(), optim)
+        return optim_sharded.sharded_optim_state_dict(self._state_layout(), optim)
 
     @collective("load_sharded_optim_state_dict()")
     def load_sharded_optim_state_dict(
         self, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]
     ) -> None:
         """Load a :meth:`sharded_optim_state_dict` (saved at any world size) into ``optim``. Collective."""
-        optim_impl.load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
+        optim_sharded.load_sharded_optim_state_dict(self._state_layout(), optim, state_dict)
 
 
 def _config_options(config: Any) -> tuple[bool, bool]:

@@ -25,7 +25,8 @@ from fsdp.comm.topology import checked_device
 from fsdp.common.nest import visit_tensors
 from fsdp.core.flat_param import NOTHING_IGNORED, IgnoredStates
 from fsdp.core.wrapper_protocol import Wrapper, as_module
-from fsdp.wrap.policies import AutoWrapPolicy, transformer_auto_wrap_policy, wrap_children
+from fsdp.wrap.context import wrap_children
+from fsdp.wrap.policies import AutoWrapPolicy, transformer_auto_wrap_policy
 from fsdp.wrapper.mixed_precision import cast_inputs
 
 __all__ = [

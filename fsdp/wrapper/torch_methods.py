@@ -30,6 +30,7 @@ from fsdp.api import BackwardPrefetch, StateDictSettings, StateDictType
 from fsdp.comm.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.core.layout import Layout, describe
 from fsdp.core.wrapper_protocol import Wrapper, WrapperMixin
+from fsdp.state import optim_sharded
 from fsdp.state import optim_state as optim_impl
 from fsdp.wrapper.state_methods import StateDictMethods
 from fsdp.wrapper.summon_methods import SummonMethods
@@ -325,7 +326,7 @@ class TorchFSDPMethods(WrapperMixin):
         """torch FSDP1's static ``FSDP.sharded_optim_state_dict(model, optim)``: the optimizer state keyed
         by parameter name, per-element state as row-sharded DTensors. Collective."""
         whole = WholeModel(model, "sharded_optim_state_dict", group)
-        return optim_impl.sharded_optim_state_dict(whole.layout(), optim)
+        return optim_sharded.sharded_optim_state_dict(whole.layout(), optim)
 
     @staticmethod
     @collective("full_optim_state_dict()", agreed=("rank0_only",), owner="model")
@@ -396,7 +397,7 @@ class TorchFSDPMethods(WrapperMixin):
             )
         kind = whole.settings.state_dict_type
         if kind is StateDictType.SHARDED_STATE_DICT:
-            return optim_impl.sharded_optim_state_dict(whole.layout(), optim)
+            return optim_sharded.sharded_optim_state_dict(whole.layout(), optim)
         if kind is not StateDictType.FULL_STATE_DICT:
             raise NotImplementedError(
                 f"FullyShardedDataParallel.optim_state_dict: {kind.name} has no optimizer state form; use "
@@ -428,7 +429,7 @@ class TorchFSDPMethods(WrapperMixin):
         kind = whole.settings.state_dict_type
         layout = whole.layout()
         if kind is StateDictType.SHARDED_STATE_DICT:
-            optim_impl.load_sharded_optim_state_dict(layout, optim, optim_state_dict)
+            optim_sharded.load_sharded_optim_state_dict(layout, optim, optim_state_dict)
             loaded: dict[str, Any] = optim.state_dict()
             return loaded
         if kind is not StateDictType.FULL_STATE_DICT:
@@ -520,6 +521,6 @@ class TorchFSDPMethods(WrapperMixin):
         size): what ``optim.load_state_dict`` takes. As :meth:`optim_state_dict_to_load` under
         ``SHARDED_STATE_DICT`` does, the state is loaded into ``optim`` too. Collective."""
         whole = WholeModel(model, "flatten_sharded_optim_state_dict", None)
-        optim_impl.load_sharded_optim_state_dict(whole.layout(), optim, sharded_optim_state_dict)
+        optim_sharded.load_sharded_optim_state_dict(whole.layout(), optim, sharded_optim_state_dict)
         loaded: dict[str, Any] = optim.state_dict()
         return loaded

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fsdp.core.handle
+import fsdp.core.handle_grads
 from fsdp import FullyShardedDataParallel as FSDP
 from tests.models import CASES, build, wrap
 from tests.parity import compare_training
@@ -40,7 +41,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
     model = FSDP(net, **schedule)
     names = {id(h): n for n in ("a", "b", "c") for h in getattr(net, n).handles}
     log: list[str] = []
-    real_gather, real_reduce = fsdp.core.handle.all_gather, fsdp.core.handle.reduce_scatter
+    real_gather, real_reduce = fsdp.core.handle.all_gather, fsdp.core.handle_grads.reduce_scatter
 
     def gather(out: torch.Tensor, shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         owner = next((n for hid, n in names.items() if _handle(hid)._full is out), "root")
@@ -68,7 +69,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
             return real(grad)
 
         unit._pre_backward_hook = pre_backward
-    fsdp.core.handle.all_gather, fsdp.core.handle.reduce_scatter = gather, reduce
+    fsdp.core.handle.all_gather, fsdp.core.handle_grads.reduce_scatter = gather, reduce
     runs = []
     try:
         for _ in range(2):
@@ -76,7 +77,7 @@ def _events(schedule: dict[str, bool]) -> list[list[str]]:
             model(torch.randn(2, 8)).sum().backward()
             runs.append(list(log))
     finally:
-        fsdp.core.handle.all_gather, fsdp.core.handle.reduce_scatter = real_gather, real_reduce
+        fsdp.core.handle.all_gather, fsdp.core.handle_grads.reduce_scatter = real_gather, real_reduce
     return runs
 
 

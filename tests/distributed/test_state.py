@@ -879,7 +879,7 @@ def test_reduce_scatter_buckets_follow_bucket_cap_mb(pool: RankPool) -> None:
 
 def _large_and_small_gradients() -> list[int]:
     from fsdp.comm import collectives
-    from fsdp.comm.buckets import SMALL_GRADIENT_BYTES
+    from fsdp.comm.rs_buckets import SMALL_GRADIENT_BYTES
 
     torch.manual_seed(0)
     width = 520  # Linear(520, 520): 270,920 elements, over 1 MiB of fp32 gradient

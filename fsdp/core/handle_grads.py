@@ -1,0 +1,422 @@
+"""The gradient half of :class:`~fsdp.core.handle.FlatParamHandle`: reduction, accumulation, summoning.
+
+The handle's gradient verbs (``reduce_grad``, ``finalize_gradient``, ``end_backward``, the gradients
+shown by ``summon_full_params(with_grads=True)``) are mixed into it from here, with the states they
+move through. Every method takes the handle itself (``self``); its attributes are
+listed on the class in ``handle.py``.
+
+[Note: gradient stash]
+Between steps ``flat_param.grad`` is shard-shaped. During backward autograd accumulates a
+full-shaped gradient into ``flat_param.grad``, which requires it to be None or full-shaped.
+``prepare_gradient_for_backward`` therefore moves an existing shard gradient to
+``_saved_grad_shard``; ``finalize_gradient`` adds the new reduced shard into it, so gradient
+accumulation across backward passes (without zero_grad) sums as in a plain model.
+
+[Note: gradient state]
+A handle's gradient is in one :class:`GradState` (``grad_state``), changed only by
+``_set_grad_state``, which checks the change against ``GRAD_TRANSITIONS``:
+
+    state     the gradient of this backward is                        next
+    IDLE      nowhere yet (.grad: the shard gradient, or None)        UNSYNCED, REDUCING, BUCKETED
+    UNSYNCED  summed in _grad_acc inside no_sync (in .grad itself     UNSYNCED, REDUCING, BUCKETED,
+              when aliased), not reduced                              IDLE (zero_grad() drops it)
+    REDUCING  in the reduction _pending: sent, or queued in a bucket  COPYING, REDUCED, IDLE*
+    BUCKETED  on .grad (full) for the root's NO_SHARD bucket engine   REDUCED, IDLE*
+    COPYING   reduced, on its way to the host (_grad_copy)            REDUCED, IDLE*
+    REDUCED   reduced, added into .grad (the shard gradient)          IDLE
+
+The post-backward (``reduce_grad``) leaves IDLE or UNSYNCED: for UNSYNCED inside ``no_sync``, else
+for REDUCING, or BUCKETED where the bucket engine reduces. ``finalize_gradient`` (from a later
+post-backward, the hook before a gradient concatenation, or the end of backward) goes on to REDUCED,
+through COPYING when the shard is offloaded on CUDA: a call during backward leaves the copy in
+flight, the end of backward collects it. The end of backward (``end_backward``) returns REDUCED to
+IDLE; UNSYNCED stays until a backward outside ``no_sync`` reduces the sum. IDLE*: a backward that
+raised before its end (ranks that disagree on what they reduced) drops what it left in flight. A
+handle counts as reduced in this backward (``reduced_this_backward``: the end-of-backward check
+compares it across ranks, and the post-backward refuses a part of the gradient that comes after
+it) in REDUCING, BUCKETED, COPYING and REDUCED. The stash of [Note: gradient stash] is apart from
+the state: the pre-backward makes it, and it is added to the reduced shard on the way to REDUCED,
+or put back on ``.grad`` at the end of a backward that brought no reduction (IDLE, UNSYNCED).
+
+[Note: finishing reductions early]
+A launched reduction holds its full-size gradient (the reduce-scatter's input) until it is waited
+for. The post-backward hook waits for the older ones once a newer one is sent, so one stays in
+flight while the next unit computes its gradients, and it would stay there through that unit's
+gradient peak: its parameters' gradients plus their concatenation into the flat gradient. The
+forward therefore hooks the backward of the split that made the parameter views: just before the
+concatenation allocates the flat gradient, the hook finishes (waits for) the reductions in flight,
+oldest first, freeing their inputs. By then the unit's whole backward has run since they were
+sent, so the wait rarely blocks, and the post-backward hook would have waited for them one
+concatenation later anyway. On the CPU the reduce-scatter of a few ranks is a point-to-point
+exchange that cannot be polled for completion (``fsdp.comm.collectives.reduce_scatter``), which is why
+the hook waits rather than polls. A reduction followed by an all-reduce across replicas
+(HYBRID_SHARD) is left for the post-backward hook, like a bucket not yet sent: issuing a collective
+or sending a bucket from here would change the order of collectives the schedule relies on.
+
+[Note: no_sync]
+Inside ``no_sync`` the post-backward hook adds the full gradient into ``_grad_acc`` (the master
+dtype) instead of reducing it. The full parameters follow ``reshard_after_forward`` as outside (as
+in fairscale and torch FSDP1): a unit that frees them after forward gathers them again for its
+backward and frees them after it, the root and ``reshard_after_forward=False`` keep theirs from
+forward to the next forward (their validity is tracked by ``flat_param._version``). So a window of
+micro-batches holds the shards, one full gradient per unit and the units being computed, and
+all-gathers as a plain step does. ``no_sync(keep_full_params=True)`` keeps every unit's full
+parameters instead: no collective runs after the first forward, for the memory of the unsharded
+model. The first backward outside the context adds its gradient to ``_grad_acc`` and reduces
+the sum once, so k micro-batches cost one reduction, exactly like one large batch. The sum is kept in
+the master dtype and reduced in the dtype of the gradient it joins (the compute dtype under mixed
+precision, unless a reduce dtype is set), so the reduction moves the bytes of any other step.
+``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model; an
+optimizer's ``zero_grad()`` cannot see it. When the full
+parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
+``.grad`` directly and nothing needs to be kept. The price is memory: a full gradient per unit
+stays allocated inside the context (with ``keep_full_params``, every unit's full parameters too).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp.api import MemoryState, check_transition
+from fsdp.comm.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
+from fsdp.core.flat_param import unflatten_views
+
+if TYPE_CHECKING:  # annotations only: the handle imports this module
+    from fsdp.api import CommConfig
+    from fsdp.comm.rs_buckets import ReduceScatterBucketer
+    from fsdp.common.device import SideCopies
+    from fsdp.core.flat_param import FlatParamMeta
+    from fsdp.core.handle import MemoryStats
+    from fsdp.core.sharding import ShardSpec
+
+__all__ = ["GRAD_TRANSITIONS", "GradState", "HandleGradients"]
+
+
+class GradState(enum.Enum):
+    """Where a handle's gradient is in the current backward. See [Note: gradient state]."""
+
+    IDLE = enum.auto()
+    UNSYNCED = enum.auto()
+    REDUCING = enum.auto()
+    BUCKETED = enum.auto()
+    COPYING = enum.auto()
+    REDUCED = enum.auto()
+
+
+_G = GradState
+GRAD_TRANSITIONS: dict[GradState, frozenset[GradState]] = {
+    _G.IDLE: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED}),
+    _G.UNSYNCED: frozenset({_G.UNSYNCED, _G.REDUCING, _G.BUCKETED, _G.IDLE}),
+    _G.REDUCING: frozenset({_G.COPYING, _G.REDUCED, _G.IDLE}),
+    _G.BUCKETED: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.COPYING: frozenset({_G.REDUCED, _G.IDLE}),
+    _G.REDUCED: frozenset({_G.IDLE}),
+}
+_REDUCED_THIS_BACKWARD = frozenset({_G.REDUCING, _G.BUCKETED, _G.COPYING, _G.REDUCED})
+del _G
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: NaN equals itself and -0.0 differs from 0.0 (``torch.equal`` says otherwise)."""
+    return a.dtype == b.dtype and torch.equal(
+        a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    )
+
+
+class HandleGradients:
+    """The gradient verbs of :class:`~fsdp.core.handle.FlatParamHandle`. See [Note: gradient state]."""
+
+    _grad_copy: tuple[torch.Tensor, object] | None  # COPYING: (host gradient, event) of the copy in flight
+    grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
+    _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
+    _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
+    _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
+    # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
+    _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
+
+    if TYPE_CHECKING:  # the handle's own, declared in handle.py (FlatParamHandle), used here
+        meta: FlatParamMeta
+        spec: ShardSpec
+        comm: CommConfig
+        modules: list[nn.Module]
+        flat_param: nn.Parameter
+        stats: CommStats | None
+        memory: MemoryStats
+        state: MemoryState
+        reduce_dtype: torch.dtype | None
+        compute_device: torch.device
+        copies: SideCopies | None
+        rs_bucketer: ReduceScatterBucketer | None
+        _shard: torch.Tensor
+
+        @property
+        def aliased(self) -> bool: ...
+        @property
+        def requires_grad(self) -> bool: ...
+        @property
+        def shard_device(self) -> torch.device: ...
+        def reshard(self, free_full: bool = True) -> None: ...
+
+    # ------------------------------------------------------------------ summon with gradients
+    def gather_grad(self) -> None:
+        """All-gather the shard gradients into a full flat gradient (master dtype, compute device).
+        Collective: a flag first, so that no gradient anywhere shows none, a rank without one adds
+        zeros. ``show_grad`` then hangs its views on the shown parameters; ``release_grad`` ends it."""
+        assert self._full_grad is None, "gradients gathered twice"
+        if not self.requires_grad:
+            self._full_grad = (None, None, [])
+            return
+        shard_grad = self.flat_param.grad
+        whole = self.spec.world_size == 1  # (NO_SHARD's group is every rank: its shard is the whole)
+        present = torch.tensor([int(shard_grad is not None)], device=self.compute_device)
+        if not whole:
+            all_reduce(present, self.comm.process_group, dist.ReduceOp.MAX, self.stats).wait()
+        if not present.item():
+            self._full_grad = (None, None, [])
+            return
+        source = self._shard.new_zeros(self._shard.shape) if shard_grad is None else shard_grad
+        full = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
+        if whole:
+            full.copy_(source)
+        else:
+            all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
+        self.memory.add(full.untyped_storage().size())
+        self._full_grad = (full, shard_grad, [])
+
+    def show_grad(self) -> None:
+        """Set each shown original parameter's ``.grad`` to its view of the gathered gradient."""
+        assert self._full_grad is not None and self.state is MemoryState.UNSHARDED
+        full, shard_grad, _ = self._full_grad
+        if full is None:
+            return
+        views = unflatten_views(full, self.meta)
+        for info, module, view in zip(self.meta.params, self.modules, views):
+            getattr(module, info.param_name).grad = view
+        self._full_grad = (full, shard_grad, views)
+
+    def release_grad(self, write_back: bool) -> None:
+        """Drop the full gradient; with ``write_back``, this rank's chunk of the gradients the
+        parameters show now (changed in place, replaced or set to None) becomes the shard gradient."""
+        if self._full_grad is None:
+            return
+        full, shard_grad, views = self._full_grad
+        self._full_grad = None
+        if write_back and self.state is MemoryState.UNSHARDED:
+            shown = [getattr(m, info.param_name).grad for info, m in zip(self.meta.params, self.modules)]
+            if all(g is None for g in shown):
+                self.flat_param.grad = None
+            elif full is None or any(g is not v for g, v in zip(shown, views, strict=True)):
+                # (a gradient replaced or set to None: the chunk is built again from what is shown)
+                now = torch.zeros(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
+                for g, view in zip(shown, unflatten_views(now, self.meta)):
+                    if g is not None:
+                        view.copy_(g)
+                self._write_grad_chunk(now, shard_grad)
+            else:
+                self._write_grad_chunk(full, shard_grad)
+        if full is not None:
+            self.memory.add(-full.untyped_storage().size())
+
+    def _write_grad_chunk(self, full: torch.Tensor, shard_grad: torch.Tensor | None) -> None:
+        chunk = full[self.spec.start : self.spec.end].to(self.shard_device)
+        if shard_grad is None and not chunk.any():  # (the zeros this rank contributed): still none
+            return
+        if shard_grad is not None and _same_bits(chunk, shard_grad):
+            grad = shard_grad
+        elif shard_grad is not None:
+            with torch.no_grad():
+                grad = shard_grad.copy_(chunk)
+        else:
+            grad = chunk.clone()
+        # a shard-shaped gradient is assigned to a shard-shaped parameter (it is full-shaped now)
+        data, self.flat_param.data = self.flat_param.data, self._shard
+        self.flat_param.grad = grad
+        self.flat_param.data = data
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_gradient_for_backward(self) -> None:
+        """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
+        grad = self.flat_param.grad
+        param = self.flat_param
+        if grad is None or (
+            grad.shape == param.shape and grad.dtype == param.dtype and grad.device == param.device
+        ):
+            return
+        assert self._saved_grad_shard is None, "gradient stashed twice in one backward"
+        self._saved_grad_shard = grad
+        self.flat_param.grad = None
+
+    def reduce_grad(self, sync: bool = True, bucketed: bool = False, keep_full: bool = True) -> None:
+        """Launch the reduction of the full gradient; reshard. Runs in the post-backward hook.
+
+        Example, 2 ranks, padded numel 4, full gradients g0 = [1, 2, 3, 4] on rank 0 and
+        g1 = [5, 6, 7, 8] on rank 1: after reduce-scatter and division by the world size rank 0
+        holds [3, 4] and rank 1 holds [5, 6] (the mean of the ranks' gradients, chunk by chunk).
+        With a replicate group (NO_SHARD, HYBRID_SHARD) the shard is then all-reduced across it.
+
+        With ``sync=False`` (inside ``no_sync``) nothing is communicated: the full gradient is added
+        to a local accumulator, and the full parameter is kept for the next forward with
+        ``keep_full``, else freed. See [Note: no_sync].
+
+        With ``bucketed`` (NO_SHARD under a root that owns a bucket engine) nothing is launched here:
+        the gradient is left on ``flat_param.grad`` in the master dtype, for the engine to reduce
+        with its neighbours in one bucket; ``finalize_gradient`` then only accumulates.
+        """
+        grad = self.flat_param.grad
+        assert grad is not None and grad.shape == self.flat_param.shape, (
+            "post-backward without a full gradient"
+        )
+        if not sync:
+            if not self.aliased:  # aliased: autograd itself accumulates into .grad across backwards
+                self.flat_param.grad = None
+                acc = grad.to(self.meta.dtype)
+                self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
+            self._set_grad_state(GradState.UNSYNCED)
+            self.reshard(free_full=not keep_full)
+            return
+        self.flat_param.grad = None
+        if self._grad_acc is not None:  # the sum is reduced in the dtype a plain backward reduces in
+            wire_dtype = self.reduce_dtype or grad.dtype
+            grad = self._grad_acc.add_(grad)
+            self._grad_acc = None
+            if not bucketed:
+                grad = grad.to(wire_dtype)
+        if bucketed:
+            full = grad.to(device=self._shard.device, dtype=self.meta.dtype)
+            self.reshard(free_full=True)
+            self.flat_param.grad = full  # NO_SHARD: the full gradient is shard-shaped
+            self._set_grad_state(GradState.BUCKETED)
+            return
+        if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
+        grad = grad.contiguous()
+        if self.comm.gradient_predivide_factor != 1:
+            grad.div_(self.comm.gradient_predivide_factor)
+        replicate = self.comm.replicate_group
+        if self.spec.world_size > 1:  # (HYBRID_SHARD: then across replicas, when it is finished)
+            group = self.comm.process_group_reduce_scatter
+            # the reduced chunk is allocated when needed: on the CPU only once the sum is done
+            if self.rs_bucketer is not None:  # small gradients share one collective
+                self._pending = self.rs_bucketer.reduce_scatter(None, grad, group)
+            else:
+                self._pending = reduce_scatter(None, grad, group, self.stats)
+        elif replicate is not None:  # NO_SHARD: all-reduce now, overlapped with the rest of backward
+            self._pending = all_reduce(grad, replicate, stats=self.stats)
+        else:
+            self._pending = Pending(None, grad)
+        self._set_grad_state(GradState.REDUCING)
+        self.reshard(free_full=True)
+
+    def discard_accumulated_grad(self) -> None:
+        """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
+        self._grad_acc = None
+        if self.grad_state is GradState.UNSYNCED:
+            self._set_grad_state(GradState.IDLE)
+
+    def end_backward(self) -> None:
+        """End of backward: a reduced gradient is just the shard gradient now; what a backward that
+        raised before its end left in flight is dropped. See [Note: gradient state]."""
+        if self.grad_state in _REDUCED_THIS_BACKWARD:
+            self._pending = self._grad_copy = None  # (set only after such a backward)
+            self._set_grad_state(GradState.IDLE)
+
+    def _set_grad_state(self, state: GradState) -> None:
+        """The one way the gradient state changes; checks the change and what each state holds."""
+        check_transition("gradient state", self.grad_state, state, GRAD_TRANSITIONS)
+        assert (self._pending is not None) == (state is GradState.REDUCING), "a reduction outside REDUCING"
+        assert (self._grad_copy is not None) == (state is GradState.COPYING), "a host copy outside COPYING"
+        assert self._grad_acc is None or state is GradState.UNSYNCED, (
+            "an accumulated gradient outside UNSYNCED"
+        )
+        self.grad_state = state
+
+    @property
+    def reduced_this_backward(self) -> bool:
+        """This backward's gradient went to a reduction (sent, queued, bucketed, or finished)."""
+        return self.grad_state in _REDUCED_THIS_BACKWARD
+
+    @property
+    def _hybrid(self) -> bool:
+        """The reduced shard is all-reduced across replicas once its reduce-scatter is finished."""
+        return self.spec.world_size > 1 and self.comm.replicate_group is not None
+
+    @property
+    def reduction_pending(self) -> bool:
+        """A reduction of this backward waits to be finished (sent or queued in a bucket)."""
+        return self.grad_state is GradState.REDUCING
+
+    @property
+    def reduction_launched(self) -> bool:
+        """A reduction of this backward is in flight (sent, not yet waited for)."""
+        return self._pending is not None and self._pending.launched
+
+    @property
+    def reduction_finishable(self) -> bool:
+        """This backward's reduction is sent, and ``finalize_gradient`` would issue no collective."""
+        return self._pending is not None and self._pending.launched and not self._hybrid
+
+    def finalize_gradient(self, asynchronous: bool = False) -> None:
+        """Finish this backward's reduction and set ``flat_param.grad`` to the (accumulated) shard
+        gradient: REDUCING and BUCKETED go on to REDUCED. See [Note: gradient state].
+
+        With an offloaded shard on CUDA the gradient is copied to the host on the side stream
+        (COPYING); with ``asynchronous`` (during backward) ``.grad`` is set only by a later call, which
+        the end-of-backward callback makes for every handle, so the copy overlaps the rest of backward.
+        """
+        if self.grad_state is GradState.REDUCING:
+            self._finish_reduction()
+        elif self.grad_state is GradState.BUCKETED:  # reduced (and averaged) in place by the bucket engine
+            if self._saved_grad_shard is not None:
+                grad = self.flat_param.grad
+                self.flat_param.grad = (
+                    self._saved_grad_shard if grad is None else self._saved_grad_shard.add_(grad)
+                )
+                self._saved_grad_shard = None
+            self._set_grad_state(GradState.REDUCED)
+        if self.grad_state is GradState.COPYING:
+            if asynchronous:
+                return  # the blocking call collects it (no host wait during backward)
+            assert self._grad_copy is not None and self.copies is not None
+            host, event = self._grad_copy
+            self._grad_copy = None
+            self.copies.device.synchronize_event(event)
+            self._set_grad(host)
+            self._set_grad_state(GradState.REDUCED)
+        # no new gradient this backward: restore the old one, once flat_param is the shard again
+        if self._saved_grad_shard is not None and self.state is not MemoryState.UNSHARDED:
+            self.flat_param.grad = self._saved_grad_shard
+            self._saved_grad_shard = None
+        if self.copies is not None and not asynchronous:
+            self.copies.synchronize()  # nothing queued may still read or write host memory
+
+    def _finish_reduction(self) -> None:
+        """REDUCING -> COPYING (offloaded on CUDA) or REDUCED: wait for the reduction, finish it."""
+        assert self._pending is not None
+        out = self._pending.wait()
+        self._pending = None
+        if self._hybrid:
+            assert self.comm.replicate_group is not None
+            all_reduce(out, self.comm.replicate_group, stats=self.stats).wait()
+        if self.comm.gradient_postdivide_factor != 1:
+            out.div_(self.comm.gradient_postdivide_factor)
+        # gradients always land on the master shard: its dtype, and its device (CPU when offloaded)
+        if self.copies is not None:
+            self._grad_copy = self.copies.to_host(out, self.meta.dtype)
+            self._set_grad_state(GradState.COPYING)
+        else:
+            self._set_grad(out.to(device=self._shard.device, dtype=self.meta.dtype))
+            self._set_grad_state(GradState.REDUCED)
+
+    def _set_grad(self, grad: torch.Tensor) -> None:
+        if self._saved_grad_shard is not None:
+            grad = self._saved_grad_shard.add_(grad)
+            self._saved_grad_shard = None
+        self.flat_param.grad = grad
