@@ -4,11 +4,12 @@ before communication] in fsdp/comm/consistency.py).
     torchrun --standalone --nproc_per_node=2 -m benchmarks.agreement [--size 35M] [--rounds 12] \
         [--out out/agreement]
 
-Each forward and each backward of the root starts with one handshake (clip_grad_norm_() adds one
-more). Measured two ways, in the same rank processes:
+Each forward and each backward of the root starts with one handshake, each wrapped unit's forward
+with one more, and the root's forward ends with one (clip_grad_norm_() adds one more). Measured two
+ways, in the same rank processes:
 
 - **Paired steps.** One model (one FSDP unit per transformer block), trained with AdamW; every round
-  runs one step with the handshakes and one without (the root's step handshake replaced by a no-op),
+  runs one step with the handshakes and one without (every handshake of a step replaced by a no-op),
   in alternating order, each between barriers. A round's ratio is its two step times (the slower
   rank's, which the barriers make every rank's); the report gives the median and quartiles. On a
   shared machine the step times drift by more than the handshakes cost, so this ratio bounds the cost
@@ -36,11 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import fsdp.wrapper.fully_sharded
+import fsdp
+import fsdp.wrapper.base
 from benchmarks._example import wrap_blocks
 from benchmarks.peers import SIZES
 from examples.gpt import GPT
-from fsdp.comm.consistency import FORWARD, agree_on_step
+from fsdp.comm.consistency import FORWARD, agree_on_entry, agree_on_step, agree_on_unit
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,13 +72,25 @@ def main() -> None:
 
     inside = [0.0]  # seconds spent in the step handshakes of the current step
 
-    def timed_agree(root: Any, op: str) -> None:
-        t0 = time.perf_counter()
-        agree_on_step(root, op)
-        inside[0] += time.perf_counter() - t0
+    def timed(handshake: Any) -> Any:
+        def call(*args: Any) -> None:
+            t0 = time.perf_counter()
+            handshake(*args)
+            inside[0] += time.perf_counter() - t0
+
+        return call
+
+    handshakes_of_a_step = {
+        "agree_on_step": agree_on_step,
+        "agree_on_unit": agree_on_unit,
+        "agree_on_entry": agree_on_entry,
+    }
+    on = {name: timed(fn) for name, fn in handshakes_of_a_step.items()}
+    off = {name: (lambda *args: None) for name in handshakes_of_a_step}
 
     def step(handshakes: bool) -> float:
-        fsdp.wrapper.fully_sharded.agree_on_step = timed_agree if handshakes else (lambda root, op: None)  # type: ignore[attr-defined]
+        for name, fn in (on if handshakes else off).items():  # the ones the wrapper's step calls
+            setattr(fsdp.wrapper.base, name, fn)
         inside[0] = 0.0
         x = torch.randint(0, args.vocab, (args.batch_size, args.block_size), generator=gen)
         dist.barrier()
@@ -110,10 +124,12 @@ def main() -> None:
                 spent.append(inside[0] / times[name][-1])
         alone["handshake"].append(repeated(lambda: agree_on_step(model, FORWARD)))
         alone["barrier"].append(repeated(dist.barrier))
-    fsdp.wrapper.fully_sharded.agree_on_step = agree_on_step  # type: ignore[attr-defined]
+    for name, fn in handshakes_of_a_step.items():
+        setattr(fsdp.wrapper.base, name, fn)
     ratios = sorted(a / b for a, b in zip(times["on"], times["off"], strict=True))
     handshake = statistics.median(alone["handshake"])
-    per_step = 3 if args.clip else 2
+    units = len(fsdp.get_fsdp_instances(model)) - 1  # the wrappers under the root, each one forward a step
+    per_step = 3 + units + (1 if args.clip else 0)  # forward, its end, backward, one per unit, clip
     median_step = statistics.median(times["off"])
     result: dict[str, Any] = {
         "size": args.size,
@@ -131,6 +147,7 @@ def main() -> None:
         "per_round_s": alone,
         "barrier_s": statistics.median(alone["barrier"]),
         "handshakes_per_step": per_step,
+        "units": units,
         "handshake_share_of_step": per_step * handshake / median_step,
         "share_inside_handshakes": {"median": statistics.median(spent), "max": max(spent)},
         "machine": "shared CPU machine (gloo); figures drift with the other load",

@@ -82,12 +82,14 @@ log="$out/gpu_checks.log"
 rm -rf "$out/summary.json" "$out/offload_memory.json" "$out/peers"
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+# the interpreter that runs every step: $PYTHON when set (a test passes its own), else python3 on the PATH
+export PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 FSDP_GPU_REPORTS="$work/gpu_reports.jsonl"
 say() { echo "$*" | tee -a "$log"; }
 record() { # record NAME STATUS EXIT SECONDS BUDGET NOTE
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$work/steps.tsv"
 }
-have() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
+have() { "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 
 # every step: at most BUDGET seconds, and never past the deadline
 step() { # step NAME BUDGET NOTE COMMAND...
@@ -122,7 +124,7 @@ skip() { # skip NAME NOTE
 installed=""
 if [ -n "$wheels" ]; then
     if compgen -G "$wheels/*.whl" >/dev/null; then
-        if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
+        if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
             "$wheels"/*.whl >>"$log" 2>&1; then
             installed=$(cd "$wheels" && ls -- *.whl | tr '\n' ' ')
             export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -134,7 +136,7 @@ if [ -n "$wheels" ]; then
     fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" # this checkout's fsdp, also in subprocesses
-python3 - "$dry_run" "$installed" >"$work/env.json" <<'EOF'
+"$PYTHON" - "$dry_run" "$installed" >"$work/env.json" <<'EOF'
 import importlib.metadata as md, importlib.util, json, platform, sys
 import torch
 names = ["pytest", "pytest_timeout", "hypothesis", "fairscale", "matplotlib", "numpy", "tqdm"]
@@ -160,9 +162,9 @@ print(json.dumps({
 }))
 EOF
 say "gpu_checks: $(cat "$work/env.json")"
-if [ "$dry_run" = 0 ] && ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+if [ "$dry_run" = 0 ] && ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     say "gpu_checks: torch sees no CUDA device (use --dry-run for the CPU version)"
-    python3 benchmarks/gpu_checks_summary.py --out "$out" --work "$work" --wall-s "$SECONDS" \
+    "$PYTHON" benchmarks/gpu_checks_summary.py --out "$out" --work "$work" --wall-s "$SECONDS" \
         --budget-s "$budget" | tee -a "$log"
     exit 1
 fi
@@ -170,9 +172,9 @@ fi
 # ------------------------------------------------------------------ the steps
 pytest_args=(-v -rfEs -p no:cacheprovider -o timeout=150)
 if have pytest; then
-    step gpu-tests 150 "" python3 -m pytest "${pytest_args[@]}" tests/gpu -k "not inductor"
-    step gpu-compile-test 120 "" python3 -m pytest "${pytest_args[@]}" tests/gpu -k inductor
-    step offload-model-tests 45 "" python3 -m pytest "${pytest_args[@]}" tests/unit/test_offload_model.py -k cuda
+    step gpu-tests 150 "" "$PYTHON" -m pytest "${pytest_args[@]}" tests/gpu -k "not inductor"
+    step gpu-compile-test 120 "" "$PYTHON" -m pytest "${pytest_args[@]}" tests/gpu -k inductor
+    step offload-model-tests 45 "" "$PYTHON" -m pytest "${pytest_args[@]}" tests/unit/test_offload_model.py -k cuda
 else
     for name in gpu-tests gpu-compile-test offload-model-tests; do
         skip "$name" "pytest is not installed (carry its wheel with --wheels)"
@@ -180,7 +182,7 @@ else
 fi
 
 # without CUDA (the dry run) the script measures a tiny model on the CPU by itself
-step offload-memory 60 "" python3 benchmarks/offload_memory.py --out "$out/offload_memory.json"
+step offload-memory 60 "" "$PYTHON" benchmarks/offload_memory.py --out "$out/offload_memory.json"
 
 extra=()
 note=""
@@ -195,10 +197,10 @@ if ! have matplotlib; then
     extra+=(--no-plot)
     note="${note:+$note; }matplotlib is not installed: no peers.png"
 fi
-step peers 130 "$note" python3 -m torch.distributed.run --standalone --nproc_per_node=1 \
+step peers 130 "$note" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 \
     -m benchmarks.peers --out "$out/peers" ${extra[@]+"${extra[@]}"} ${peers_args[@]+"${peers_args[@]}"}
 
 # ------------------------------------------------------------------ the summary
-python3 benchmarks/gpu_checks_summary.py --out "$out" --work "$work" --wall-s "$SECONDS" \
+"$PYTHON" benchmarks/gpu_checks_summary.py --out "$out" --work "$work" --wall-s "$SECONDS" \
     --budget-s "$budget" $([ "$dry_run" = 1 ] && echo --dry-run) | tee -a "$log"
-python3 -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["all_passed"])' "$out/summary.json"
+"$PYTHON" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["all_passed"])' "$out/summary.json"

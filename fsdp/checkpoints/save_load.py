@@ -212,6 +212,20 @@ def _remove_unfinished(root: Path) -> None:
         log.warning("could not remove the files of the unfinished save %s: %s", root, e)
 
 
+def _clean_up_failed_save(root: Path, created: bool, full: bool) -> None:
+    """Rank 0's clean-up after a save failed: the probe, the files of a save that filled the disk, and
+    a directory this save created for nothing. Best effort: the disk may have turned read-only or the
+    directory vanished, and the error being handled is what every rank raises, never this one's."""
+    try:
+        (root / PROBE).unlink(missing_ok=True)
+        if full:
+            _remove_unfinished(root)
+        if created and root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+    except OSError as e:
+        log.warning("could not clean up after the failed save %s: %s", root, e)
+
+
 # ---------------------------------------------------------------------- save
 @collective("save_checkpoint()", owner="model")
 def save_checkpoint(
@@ -264,9 +278,7 @@ def save_checkpoint(
         except Exception as e:
             error = _save_error(e, root)
             if out_of_space(e) is not None:
-                _remove_unfinished(root)
-                if created and root.is_dir() and not any(root.iterdir()):
-                    root.rmdir()
+                _clean_up_failed_save(root, created, full=True)
     names = ", ".join(sorted(app))
     agree(
         layout,
@@ -346,11 +358,7 @@ def save_checkpoint(
         agree(layout, error, what, exc_type=CheckpointError)
     except CheckpointError as e:
         if layout.rank == 0:  # no probe left behind, and no directory this save created for nothing
-            (root / PROBE).unlink(missing_ok=True)
-            if NO_SPACE_LEFT in str(e):
-                _remove_unfinished(root)
-            if created and root.is_dir() and not any(root.iterdir()):
-                root.rmdir()
+            _clean_up_failed_save(root, created, full=NO_SPACE_LEFT in str(e))
         raise
     log.info("saved checkpoint %s at world size %d", root, layout.world_size)
     return root

@@ -33,7 +33,7 @@ from fsdp.comm.collectives import (
     digest_of_text,
     set_activity,
 )
-from fsdp.comm.lost_ranks import host_code, note_processes
+from fsdp.comm.lost_ranks import host_code, note_processes, note_siblings
 
 __all__ = [
     "BACKWARD",
@@ -164,8 +164,10 @@ def check_hybrid_grids(root: Any, wrappers: list[Any]) -> None:
 def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any], stats: CommStats | None) -> None:
     """Every rank must have reduced the same flat parameters in this backward, else collectives mismatch
     (``stats`` counts the check's all-reduce)."""
-    handles = [(w, h) for w in wrappers for h in w.handles if h.requires_grad]
-    if root.world_size == 1 or not handles:
+    # every flat parameter of the tree (the same on every rank: the tree is agreed), so that the
+    # message has the same size on every rank even where requires_grad differs
+    handles = [(w, h) for w in wrappers for h in w.handles]
+    if root.world_size == 1 or not any(h.requires_grad for _, h in handles):
         return
     mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
     both = torch.cat([mine, -mine]).to(root.compute_device)
@@ -202,7 +204,10 @@ def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any], stats: Co
 #   other). One per construction, not one per root: the constructor makes groups before any root
 #   exists, and most wrappers' construction communicates nothing else;
 # - the root's first use (lazy init): the wrapper tree's fingerprint;
-# - every forward and every backward of the root: the fingerprint, grad mode and no_sync();
+# - every forward and every backward of the root: the fingerprint, grad mode, no_sync() and which
+#   flat parameters require a gradient (which decides what the backward reduces);
+# - every forward of a unit under the root, before it gathers: its place in the tree and grad mode;
+#   and the end of the root's forward, so that a rank that skipped a unit meets it there;
 # - each collective method (state_dict(), summon_full_params(), clip_grad_norm_(), the optimizer
 #   state methods, save_checkpoint(), ...), on entry, with the arguments that decide collectives;
 #   and the inf/nan check of ShardedGradScaler, every step that uses one.
@@ -212,9 +217,9 @@ def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any], stats: Co
 # with a collective that carries data, and need no device synchronization under NCCL. Under a
 # subgroup they run on the subgroup itself. What is not caught: a rank that waits in a collective
 # of its own (a dist.barrier(), a loss all-reduce for logging) while the others enter an operation
-# of ours, ranks that diverge inside a forward or a backward (different wrappers called, different
-# outputs in the loss; the end-of-backward check catches part of it), and ranks that pass process
-# groups of different members; these fail at the process group's timeout, with TIMEOUT_HINT.
+# of ours, ranks that differ in which outputs reach the loss (the end-of-backward check catches part
+# of it), and ranks that pass process groups of different members; these fail at the process
+# group's timeout, with TIMEOUT_HINT.
 _MAGIC = 0x46534450  # "FSDP": the first value of every handshake
 _OPS: dict[int, str] = {}  # operation code -> its name in messages (every name a handshake used)
 
@@ -236,6 +241,8 @@ FIRST_USE = _operation("the first use of the root (its lazy init)")
 FORWARD = _operation("the forward of the root")
 BACKWARD = _operation("the backward of the root")
 SCALER_CHECK = _operation("ShardedGradScaler's inf/nan check (unscale_() or step())")
+UNIT_FORWARD = _operation("the forward of a wrapped unit")
+FORWARD_END = _operation("the end of the forward of the root")
 
 
 def agree_on_entry(
@@ -243,15 +250,18 @@ def agree_on_entry(
     op: str,
     digest: int = 0,
     explain: Callable[[dist.ProcessGroup], NoReturn] | None = None,
+    activity: tuple[str, str] | None = None,
 ) -> None:
     """Every rank of ``group`` says that it enters ``op`` with ``digest`` (a fixed-size all-gather on
     the group's control group); raise on every rank if some rank entered another operation, or the
     same one with another digest (``explain(control_group)`` then raises the precise error: every
-    rank calls it, so it may exchange details). Collective. See [Note: agreement before communication]."""
+    rank calls it, so it may exchange details). ``activity`` (phase, unit) is what a rank waiting here
+    says it was doing when a peer stops (default: ``op``). Collective. See [Note: agreement before communication]."""
     if group is None or dist.get_world_size(group) == 1:
         return
     control, device = control_group(group)
-    set_activity(op)
+    note_siblings()  # (until every rank of this host is known: a rank may stop before this handshake)
+    set_activity(*(activity or (op, "")))  # what a rank that waits here says it was doing
     rows = all_gather_ints([_MAGIC, _op_code(op), digest, os.getpid(), host_code()], control, device)
     ranks = dist.get_process_group_ranks(group)
     strangers = [r for r, row in zip(ranks, rows, strict=True) if row[0] != _MAGIC]
@@ -271,6 +281,14 @@ def agree_on_entry(
         if CONSTRUCTION in by_op:
             entered += " (ranks that build a different number of wrappers meet here: an auto_wrap_policy "
             entered += "that decides differently on some ranks, say)"
+        if UNIT_FORWARD in by_op:
+            entered += (
+                " (inside the root's forward some ranks run a wrapped module that others skip: a branch "
+            )
+            entered += (
+                "taken on some ranks only; every rank must run the same wrapped modules, in training and "
+            )
+            entered += "in evaluation alike)"
         raise RuntimeError(
             f"FullyShardedDataParallel: the ranks are not making the same call: {entered}. Every rank must "
             "construct the same wrappers, run the root's forward and backward, and call its collective "
@@ -382,9 +400,16 @@ def agree_on_step(root: Any, op: str) -> None:
     ctx = root._ctx
     flags = {"torch.is_grad_enabled()": torch.is_grad_enabled(), "inside no_sync()": not ctx.sync}
     digest = ctx.fingerprint ^ (int(flags["torch.is_grad_enabled()"]) + 2 * int(flags["inside no_sync()"]))
+    # which flat parameters require a gradient decides which reduce in backward (and the size of the
+    # end-of-backward check): requires_grad may change between steps, on one rank only by mistake
+    needs_grad = "".join("1" if h.requires_grad else "0" for w in ctx.wrappers for h in w.handles)
+    digest ^= digest_of_text(needs_grad) << 2
 
     def explain(control: dist.ProcessGroup) -> NoReturn:
-        lines = _differences(control, {k: str(v) for k, v in flags.items()})
+        frozen = [f for w in ctx.wrappers for h in w.handles if not h.requires_grad for f in h.meta.fqns]
+        shown = {k: str(v) for k, v in flags.items()}
+        shown["the parameters that require no gradient"] = str(frozen) if frozen else "none"
+        lines = _differences(control, shown)
         if lines:
             raise RuntimeError(
                 f"FullyShardedDataParallel: the ranks run {op} differently (every rank must run it in the same "
@@ -394,6 +419,30 @@ def agree_on_step(root: Any, op: str) -> None:
         _raise_different_wrappers(control, fingerprint(root, ctx.wrappers), what)
 
     agree_on_entry(root.fsdp_config.comm.dp_group, op, digest, explain)
+
+
+def agree_on_unit(root: Any, wrapper: Any) -> None:
+    """The handshake of each forward of a wrapper under the root, before it gathers anything: every
+    rank runs the same unit (its place in the root's tree) in the same mode. Ranks that take a branch
+    on some ranks only would otherwise meet in all-gathers of different units (of different sizes: a
+    process abort in gloo; of the same size: the wrong parameters). Collective over the root's
+    data-parallel group. See [Note: agreement before communication]."""
+    ctx = root._ctx
+    index = ctx.wrappers.index(wrapper)
+    digest = (index << 2) + int(torch.is_grad_enabled())
+
+    def explain(control: dist.ProcessGroup) -> NoReturn:
+        shown = {"the unit it runs": wrapper._path, "torch.is_grad_enabled()": str(torch.is_grad_enabled())}
+        lines = _differences(control, shown)
+        raise RuntimeError(
+            "FullyShardedDataParallel: inside the forward of the root the ranks run different wrapped units (a "
+            "branch taken on some ranks only, or a module skipped on some): every rank must run the same "
+            "wrapped modules in the same order, in training and in evaluation alike:\n  " + "\n  ".join(lines)
+        )
+
+    agree_on_entry(
+        root.fsdp_config.comm.dp_group, UNIT_FORWARD, digest, explain, ("the forward", wrapper._path)
+    )
 
 
 _inside = threading.local()  # .depth: how many agreed collective calls this thread is inside

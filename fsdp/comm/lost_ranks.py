@@ -8,6 +8,12 @@ that ran on this host are looked up by process id, so the message names the ones
 (ranks on other hosts cannot be looked at from here: the message names them as the candidates).
 Nothing here communicates: a survivor's error comes as soon as gloo notices the closed connection
 (if no peer on this host is seen gone yet, they are looked at again for up to a second).
+
+Before the first handshake (a rank that stops before any wrapper is built) no process id has been
+exchanged yet. Under ``torchrun`` the ranks of one host are the children of one agent, each with its
+``RANK`` in its environment: when this module is imported, and again before each handshake until
+every local rank is seen, the processes of this job beside this one are read from ``/proc``, so a
+rank of this host that stops at any point of the program is named by its process id too.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-__all__ = ["host_code", "is_connection_loss", "lost_rank_message", "note_processes"]
+__all__ = ["host_code", "is_connection_loss", "lost_rank_message", "note_processes", "note_siblings"]
+
 
 # gloo's words for a connection its peer closed (a process that exited or was killed)
 _LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset", "epipe")
@@ -29,6 +36,7 @@ _LOOKS, _LOOK_EVERY = 10, 0.1  # while no peer of this host is seen stopped: loo
 _processes: dict[int, tuple[int, int]] = {}  # global rank -> (process id, host code), from handshakes
 _world: list[int] = [0]  # id() of the default group the table belongs to
 _host: list[int] = []  # this host's code, computed once
+_siblings: dict[int, int] = {}  # global rank -> process id of this job's processes beside this one (torchrun)
 
 
 def host_code() -> int:
@@ -44,6 +52,35 @@ def host_code() -> int:
         text = f"{socket.gethostname()}|{boot}"
         _host.append(int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little"))
     return _host[0]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
+def note_siblings() -> None:
+    """Under torchrun, record the process id of every rank of this job on this host (the agent's other
+    children with the same run id), until all ``LOCAL_WORLD_SIZE`` of them are known. Reads ``/proc``
+    only; does nothing elsewhere (another launcher, another system)."""
+    run_id, parent = os.environ.get("TORCHELASTIC_RUN_ID"), os.getppid()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if run_id is None or "RANK" not in os.environ or len(_siblings) >= local - 1:
+        return
+    try:
+        with open(f"/proc/{parent}/task/{parent}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return
+    for pid in children:
+        if pid != os.getpid() and pid not in _siblings.values():
+            env = _environ(pid)
+            if env.get("TORCHELASTIC_RUN_ID") == run_id and env.get("RANK", "").isdigit():
+                _siblings[int(env["RANK"])] = pid
 
 
 def note_processes(global_ranks: Sequence[int], processes: Sequence[tuple[int, int]]) -> None:
@@ -96,6 +133,8 @@ def lost_rank_message(group_ranks: Sequence[int], collective: str, launched_in: 
     unknown: list[int] = []
     for r in group_ranks:
         proc = _processes.get(r)
+        if proc is None and r in _siblings:  # (no handshake yet: the launcher's children)
+            proc = _processes[r] = (_siblings[r], here)
         if r == me:
             continue
         if proc is None:
@@ -129,3 +168,6 @@ def lost_rank_message(group_ranks: Sequence[int], collective: str, launched_in: 
         "output says why it stopped. Restart the job (from the last checkpoint: fsdp.latest_checkpoint and "
         "fsdp.load_checkpoint)"
     )
+
+
+note_siblings()  # at import: the other ranks of this host are running now

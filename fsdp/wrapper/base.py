@@ -38,7 +38,10 @@ from fsdp.comm.collectives import set_activity
 from fsdp.comm.consistency import (
     BACKWARD,
     FORWARD,
+    FORWARD_END,
+    agree_on_entry,
     agree_on_step,
+    agree_on_unit,
     check_hybrid_grids,
     check_same_reductions_on_all_ranks,
     check_same_wrappers_on_all_ranks,
@@ -298,6 +301,8 @@ class WrapperBase(
         args, kwargs, opened = self._begin_forward(args, kwargs)
         try:
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
+            if self._is_root:  # every rank ran the same units (See [Note: agreement before communication])
+                agree_on_entry(self.fsdp_config.comm.dp_group, FORWARD_END)
         finally:
             self._end_forward(opened)
         return self._after_forward(outputs, opened.token)
@@ -312,6 +317,8 @@ class WrapperBase(
         assert self._ctx is not None
         if self._is_root:  # See [Note: agreement before communication]
             agree_on_step(self, FORWARD)
+        else:  # a unit, inside the root's forward or called past it
+            agree_on_unit(self._ctx.wrappers[0], self)
         set_activity("the forward", self._path)
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision

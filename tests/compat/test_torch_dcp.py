@@ -214,3 +214,25 @@ def test_full_options_and_several_optimizers(pool: RankPool) -> None:
             assert len(r["full_optim_names"]) == 8
         else:
             assert r["full_model"] == {} and r["full_optim_names"] == []
+
+
+def _state_of_a_fresh_optimizer(which: str) -> dict[str, Any]:
+    """torch initialises an optimizer that never stepped with a step at learning rate 0, then puts the
+    learning rate back; ours must put it back too, or the training that follows silently stops."""
+    model = _model(plain_root=False)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    if which == "get_state_dict":
+        dcp_state.get_state_dict(model, optim)
+    else:
+        dcp_state.get_optimizer_state_dict(model, optim)
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(model, optim, 1)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    return {"lr": [g["lr"] for g in optim.param_groups], "moved": moved}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("which", ["get_state_dict", "get_optimizer_state_dict"])
+def test_getting_the_state_of_a_fresh_optimizer_keeps_its_learning_rate(pool: RankPool, which: str) -> None:
+    for r in pool.run(_state_of_a_fresh_optimizer, which):
+        assert r == {"lr": [0.05], "moved": True}, r

@@ -167,7 +167,7 @@ def _precision_in_eval(env: str | None) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("env", ["1", None])
+@pytest.mark.parametrize("env", ["1", None, "0"])  # torch turns it on for "1" only
 def test_full_precision_in_eval(pool: RankPool, env: str | None) -> None:
     """torch's ``test_full_precision_in_eval`` and ``_buffers``: with the variable set, an eval-mode
     forward without gradients computes in fp32 (parameters, buffers, the root's input uncast: torch's

@@ -5,6 +5,7 @@ kills the pool and fails as a dead worker)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -254,6 +255,8 @@ def _different_modes(how: str) -> str:
             else:
                 assert loss is not None
                 loss.backward()
+        elif how == "clip_norm_type":  # SUM on one rank and MAX on the other would clip silently apart
+            model.clip_grad_norm_(1.0, norm_type=2.0 if dist.get_rank() == 0 else float("inf"))
         else:  # the same call with another max_norm
             model.clip_grad_norm_(1.0 + dist.get_rank())
     except (RuntimeError, ValueError) as e:
@@ -262,7 +265,7 @@ def _different_modes(how: str) -> str:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("how", ["no_grad", "no_sync", "clip_max_norm"])
+@pytest.mark.parametrize("how", ["no_grad", "no_sync", "clip_max_norm", "clip_norm_type"])
 def test_ranks_in_different_modes_or_with_different_arguments_fail(pool: RankPool, how: str) -> None:
     expected = {
         "no_grad": "RuntimeError: FullyShardedDataParallel: the ranks run the forward of the root differently "
@@ -271,6 +274,8 @@ def test_ranks_in_different_modes_or_with_different_arguments_fail(pool: RankPoo
         "no_sync": "the ranks run the forward of the root differently",
         "clip_max_norm": "ValueError: FullyShardedDataParallel: the ranks called clip_grad_norm_() with different "
         "arguments (every rank must pass the same):\n  max_norm: 1.0 on rank 0; 2.0 on rank 1",
+        "clip_norm_type": "ValueError: FullyShardedDataParallel: the ranks called clip_grad_norm_() with "
+        "different arguments (every rank must pass the same):\n  norm_type: 2.0 on rank 0; inf on rank 1",
     }[how]
     for msg in pool.run(_different_modes, how, timeout=60):
         assert expected in msg, msg
@@ -295,3 +300,73 @@ def test_ranks_running_different_models_fail(pool: RankPool) -> None:
     for msg in pool.run(_different_models, timeout=60):
         assert "in the forward of the root, the ranks run different wrapped models" in msg, msg
         assert "rank 0: <root> [Sequential]" in msg and "rank 1: <root> [Sequential]" in msg, msg
+
+
+def _requires_grad_on_one_rank(step: str) -> str:
+    """Between steps rank 1 alone freezes a parameter (``flatten_parameters=False``: each parameter its
+    own flat parameter): its backward would reduce one flat parameter fewer. Before the fix the
+    end-of-backward check itself, sized by the parameters that require a gradient, aborted in gloo."""
+    model = _two_units(flatten_parameters=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    if dist.get_rank() == 1:
+        model._fsdp_wrapped_module[4].weight.requires_grad_(False)
+    try:
+        out = model(torch.randn(4, 8))
+        if step == "backward":
+            out.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_parameter_frozen_on_one_rank_fails_on_every_rank(pool: RankPool) -> None:
+    for msg in pool.run(_requires_grad_on_one_rank, "backward", timeout=60):
+        assert "the ranks run the forward of the root differently" in msg, msg
+        assert "the parameters that require no gradient: none on rank 0; ['4.weight'] on rank 1" in msg, msg
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = FSDP(nn.Linear(8, 8)), FSDP(nn.Linear(8, 8)), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        x = self.a(x)
+        return self.c(x if skip else self.b(x))
+
+
+def _one_rank_skips_a_unit(mode: str) -> list[str]:
+    """The issue's case: in eval under no_grad, rank 1 skips a wrapped block (before, its all-gather met
+    rank 0's of another unit and gloo aborted the process); and the same in training, and where the
+    skipped unit is the last one (no later all-gather to meet)."""
+    model = FSDP(_Branchy())
+    model(torch.randn(2, 8)).sum().backward()
+    if mode == "eval":
+        model.eval()
+    errors = []
+    for _ in range(2):  # the next forward still works after the error
+        try:
+            with torch.no_grad() if mode == "eval" else contextlib.nullcontext():
+                out = model(torch.randn(2, 8), skip=dist.get_rank() == 1)
+                if mode == "train":
+                    out.sum().backward()
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(str(e))
+    model(torch.randn(2, 8))  # every rank the same: fine again
+    return errors
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_unit_skipped_on_one_rank_fails_on_every_rank(pool: RankPool, mode: str) -> None:
+    for errors in pool.run(_one_rank_skips_a_unit, mode, timeout=60):
+        for msg in errors:
+            assert (
+                "the forward of a wrapped unit on rank 0; the end of the forward of the root on rank 1" in msg
+            ), msg
+            assert "some ranks run a wrapped module that others skip" in msg, msg

@@ -318,3 +318,65 @@ def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(
         (r,) = rank_pools(1).run(_resume, str(directory))
         assert r["latest"] == "step_1" and r["extra"] == {"step": 1} and r["diff"] == 0.0, (point, r)
         assert r["after"] == "step_2", "a save at the killed one's path replaces its leftovers and commits"
+
+
+# ---------------------------------------------------------------------- a disk that turns read-only
+def _read_only_midway(tmp: str) -> dict[str, Any]:
+    """The disk turns read-only while DCP writes (rank 1's file fails with EROFS), and rank 0's
+    clean-up of the save probe fails the same way: the clean-up must not replace the error."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    rank = dist.get_rank()
+    root = Path(tmp) / "ckpts"
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)))
+    opt = _adam(model)
+    model(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    save_checkpoint(root / "good", model, opt)
+    expected = model.state_dict()
+    read_only = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    original_stream, original_unlink, original_rmdir = FileSystem.create_stream, Path.unlink, Path.rmdir
+
+    @contextlib.contextmanager
+    def failing_stream(self: Any, path: Any, mode: str) -> Iterator[io.BufferedWriter]:
+        raise read_only
+        yield  # (a generator: a context manager)
+
+    def failing(self: Path, *args: Any, **kwargs: Any) -> None:
+        if root / "broken" in (self, *self.parents):
+            raise read_only
+        return original_unlink(self, *args, **kwargs)
+
+    def failing_rmdir(self: Path) -> None:
+        if self == root / "broken":
+            raise read_only
+        original_rmdir(self)
+
+    if rank == 1:
+        FileSystem.create_stream = failing_stream  # type: ignore[assignment]
+    else:
+        Path.unlink = failing  # type: ignore[method-assign]
+        Path.rmdir = failing_rmdir  # type: ignore[method-assign]
+    try:
+        save_checkpoint(root / "broken", model, opt)
+        raised = "nothing"
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        FileSystem.create_stream = original_stream  # type: ignore[method-assign]
+        Path.unlink, Path.rmdir = original_unlink, original_rmdir  # type: ignore[method-assign]
+    latest = latest_checkpoint(root)
+    assert latest is not None
+    load_checkpoint(latest, model, opt)
+    return {"raised": raised, "latest": latest.name, "diff": state_diff(model.state_dict(), expected)}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_failing_clean_up_never_replaces_the_error_it_handles(pool: RankPool, tmp_path: Path) -> None:
+    for r in pool.run(_read_only_midway, str(tmp_path), timeout=120):
+        assert r["raised"].startswith("CheckpointError: "), r
+        assert os.strerror(errno.EROFS) in r["raised"], r  # the cause, named on every rank
+        assert r["latest"] == "good" and r["diff"] == 0.0

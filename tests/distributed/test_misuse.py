@@ -272,6 +272,10 @@ def _diverging_collectives(kind: str) -> str:
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_a_collective_timeout_says_what_usually_causes_it(pool: RankPool, kind: str) -> None:
     messages = pool.run(_diverging_collectives, kind, timeout=60)
+    if kind == "forward":  # a branch inside the forward is caught by the units' handshakes, at once
+        for m in messages:
+            assert "inside the root's forward some ranks run a wrapped module that others skip" in m, m
+        return
     assert any(
         "fsdp: a collective did not complete within the process group's timeout" in m for m in messages
     ), messages

@@ -111,3 +111,22 @@ def test_a_collective_method_on_one_rank_while_the_other_leaves(fresh_pair: Rank
     assert f"rank 1 (process {death['pid']}) stopped" in error["message"], error["message"]
     assert "in state_dict()" in error["message"], error["message"]
     assert error["time"] - death["time"] < 5
+
+
+def test_a_rank_killed_before_any_wrapper_is_named_by_its_process_id(tmp_path: Path) -> None:
+    """Before the first handshake no process id was exchanged: under torchrun the survivor finds the
+    ranks of its host among the agent's children (it used to say that the rank ran on another host)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--monitor-interval", "5"]
+    cmd += ["--nproc_per_node=2", "-m", "tests.kill_before_wrapping", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0  # (rank 1 was killed)
+    death = json.loads((tmp_path / "death.json").read_text())
+    assert (tmp_path / "error0.json").exists(), proc.stderr[-3000:]
+    msg = json.loads((tmp_path / "error0.json").read_text())["message"]
+    assert f"rank 1 (process {death['pid']}) stopped: its connection closed" in msg, msg
+    assert "other hosts" not in msg, msg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -917,3 +918,66 @@ def test_large_gradients_skip_the_bucket(pool: RankPool) -> None:
     small = (4 * 520 + 520) + (4 * 4 + 4) + (520 * 4 + 4)
     for sizes in pool.run(_large_and_small_gradients):
         assert sizes == [big, big, small], sizes
+
+
+def _local_state_of_a_newer_format() -> dict[str, Any]:
+    """A local state dict whose identity says a newer format than this version reads is refused,
+    with the model unchanged (not read as this version's own)."""
+    import json
+
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    state = model.local_state_dict()
+    key = "_fsdp_local_state"
+    identity = json.loads(bytes(state[key].tolist()).decode())
+    identity["version"] += 1
+    state[key] = torch.tensor(list(json.dumps(identity).encode()), dtype=torch.uint8)
+    state = {k: (v + 1 if k != key else v) for k, v in state.items()}  # values that would change the model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        model.load_local_state_dict(state)
+        message = "loaded"
+    except ValueError as e:
+        message = str(e)
+    after = model.state_dict()
+    return {"message": message, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+@pytest.mark.parametrize("pool", [1, 2], indirect=True)
+def test_a_local_state_dict_of_a_newer_format_is_refused(pool: RankPool) -> None:
+    for r in pool.run(_local_state_of_a_newer_format):
+        assert "saved by a newer version of fsdp" in r["message"] and "upgrade fsdp" in r["message"], r
+        assert r["unchanged"], r
+
+
+def _frozen_tied_embedding() -> dict[str, Any]:
+    """An embedding frozen before wrapping and tied to an output head in another wrapper: the outer
+    wrapper adopts the tie (see [Note: parameters shared across wrappers]) and must keep it frozen."""
+    from tests.models import Tied
+
+    torch.manual_seed(0)
+    model = Tied()
+    model.emb.weight.requires_grad_(False)
+    model.emb = FSDP(model.emb)
+    model = FSDP(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(idx).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    after = model.state_dict()
+    return {
+        "emb": torch.equal(before["emb.weight"], after["emb.weight"]),
+        "head": torch.equal(after["head.weight"], after["emb.weight"]),
+        "mix_trained": not torch.equal(before["mix.weight"], after["mix.weight"]),
+        "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_frozen_embedding_tied_across_wrappers_stays_frozen(pool: RankPool) -> None:
+    for r in pool.run(_frozen_tied_embedding):
+        assert r["emb"] and r["head"] and r["mix_trained"], r
+        assert r["frozen"], r  # the flat parameter that holds the tie requires no gradient

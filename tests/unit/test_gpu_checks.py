@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -35,9 +36,15 @@ def _probe_wheel(directory: Path) -> Path:
     return path
 
 
-def _run(*args: str, budget: int | None = None, timeout: float = 330) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def _run(
+    *args: str, budget: int | None = None, timeout: float = 330, path_first: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The script in its dry run, given this test's interpreter as ``PYTHON`` (the suite may run under a
+    virtual environment's interpreter that is not on the PATH); ``path_first`` goes first on the PATH."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHON": sys.executable}
     env.pop("FSDP_GPU_WHEELS", None)
+    if path_first is not None:
+        env["PATH"] = f"{path_first}{os.pathsep}{env.get('PATH', '')}"
     if budget is not None:
         env["FSDP_GPU_CHECKS_BUDGET_S"] = str(budget)
     return subprocess.run(
@@ -56,7 +63,14 @@ def test_dry_run_runs_every_step_and_writes_one_summary(tmp_path: Path) -> None:
     wheels.mkdir()
     _probe_wheel(wheels)
     out = tmp_path / "out"
-    proc = _run("--wheels", str(wheels), str(out))
+    # a python3 on the PATH without torch (a virtual environment's interpreter runs the suite, not
+    # activated): the script must run the interpreter it is given, never this one
+    shadow = tmp_path / "bin"
+    shadow.mkdir()
+    (shadow / "python3").write_text("#!/bin/sh\necho 'the python3 on the PATH ran' >&2\nexit 3\n")
+    (shadow / "python3").chmod(0o755)
+    proc = _run("--wheels", str(wheels), str(out), path_first=shadow)
+    assert "the python3 on the PATH ran" not in proc.stderr + proc.stdout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["all_passed"] and summary["dry_run"]
