@@ -207,7 +207,10 @@ def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any], stats: Co
 # - every forward and every backward of the root: the fingerprint, grad mode, no_sync() and which
 #   flat parameters require a gradient (which decides what the backward reduces);
 # - every forward of a unit under the root, before it gathers: its place in the tree and grad mode;
-#   and the end of the root's forward, so that a rank that skipped a unit meets it there;
+#   and the end of the root's forward, so that a rank that skipped a unit meets it there. These cost
+#   one small gloo exchange per unit (0.75% of a step of the 35M benchmark GPT with 11 units at
+#   world size 2 on the CPU, benchmarks/agreement.py); FSDP_CHECK_UNITS=0, read at a root's lazy
+#   init, turns them off, and a branch taken on some ranks then fails at the timeout again;
 # - each collective method (state_dict(), summon_full_params(), clip_grad_norm_(), the optimizer
 #   state methods, save_checkpoint(), ...), on entry, with the arguments that decide collectives;
 #   and the inf/nan check of ShardedGradScaler, every step that uses one.

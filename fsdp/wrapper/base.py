@@ -301,8 +301,11 @@ class WrapperBase(
         args, kwargs, opened = self._begin_forward(args, kwargs)
         try:
             outputs = self._fsdp_wrapped_module(*args, **kwargs)
-            if self._is_root:  # every rank ran the same units (See [Note: agreement before communication])
-                agree_on_entry(self.fsdp_config.comm.dp_group, FORWARD_END)
+            ctx = self._ctx
+            if self._is_root and ctx is not None and ctx.check_units:  # every rank ran the same units
+                agree_on_entry(
+                    self.fsdp_config.comm.dp_group, FORWARD_END
+                )  # (See [Note: agreement before communication])
         finally:
             self._end_forward(opened)
         return self._after_forward(outputs, opened.token)
@@ -317,7 +320,7 @@ class WrapperBase(
         assert self._ctx is not None
         if self._is_root:  # See [Note: agreement before communication]
             agree_on_step(self, FORWARD)
-        else:  # a unit, inside the root's forward or called past it
+        elif self._ctx.check_units:  # a unit, inside the root's forward or called past it
             agree_on_unit(self._ctx.wrappers[0], self)
         set_activity("the forward", self._path)
         grad_enabled = torch.is_grad_enabled()

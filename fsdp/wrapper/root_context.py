@@ -9,6 +9,7 @@ flight and the step's flags. Each handle gets the objects it uses at the lazy in
 from __future__ import annotations
 
 import collections
+import os
 import weakref
 from typing import Generic, TypeVar
 
@@ -24,7 +25,9 @@ from fsdp.core.handle import FlatParamHandle, MemoryStats
 from fsdp.core.no_shard_buckets import make_no_shard_bucketer
 from fsdp.core.wrapper_protocol import Wrapper
 
-__all__ = ["RootContext"]
+__all__ = ["CHECK_UNITS", "RootContext"]
+
+CHECK_UNITS = "FSDP_CHECK_UNITS"  # the environment variable read at a root's lazy init
 
 
 W = TypeVar("W", bound=Wrapper)
@@ -46,6 +49,7 @@ class RootContext(Generic[W]):
     in_flight: collections.deque[FlatParamHandle]  # handles whose reduction was sent, oldest first
     registrations: int  # the process's registration count at the root's last look at its modules
     fingerprint: int  # digest of the wrapper tree, agreed at lazy init; every step's handshake carries it
+    check_units: bool  # each unit's forward and the end of the root's forward agree too (FSDP_CHECK_UNITS)
 
     def __init__(self, device: DeviceHandle, wrappers: list[W]) -> None:
         self.device = device
@@ -66,6 +70,8 @@ class RootContext(Generic[W]):
         self.in_flight = collections.deque()
         self.registrations = -1
         self.fingerprint = 0
+        # See [Note: agreement before communication]; "0" turns the per-unit handshakes off
+        self.check_units = os.environ.get(CHECK_UNITS, "1") != "0"
 
     @property
     def wrappers(self) -> list[W]:

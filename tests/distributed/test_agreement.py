@@ -370,3 +370,39 @@ def test_a_unit_skipped_on_one_rank_fails_on_every_rank(pool: RankPool, mode: st
                 "the forward of a wrapped unit on rank 0; the end of the forward of the root on rank 1" in msg
             ), msg
             assert "some ranks run a wrapped module that others skip" in msg, msg
+
+
+def _unit_handshakes(env: str | None) -> int:
+    """How many handshakes of units one forward of a three-unit model makes."""
+    import fsdp.comm.consistency as consistency
+
+    before = os.environ.pop("FSDP_CHECK_UNITS", None)
+    if env is not None:
+        os.environ["FSDP_CHECK_UNITS"] = env
+    try:
+        model = FSDP(_Branchy())  # (two units under the root)
+        model(torch.randn(2, 8))
+    finally:
+        os.environ.pop("FSDP_CHECK_UNITS", None)
+        if before is not None:
+            os.environ["FSDP_CHECK_UNITS"] = before
+    seen: list[str] = []
+    real = consistency.agree_on_entry
+
+    def counting(group: Any, op: str, *args: Any, **kwargs: Any) -> None:
+        seen.append(op)
+        real(group, op, *args, **kwargs)
+
+    consistency.agree_on_entry = counting  # type: ignore[assignment]
+    try:
+        model(torch.randn(2, 8))
+    finally:
+        consistency.agree_on_entry = real  # type: ignore[assignment]
+    return seen.count(consistency.UNIT_FORWARD)
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_fsdp_check_units_0_turns_the_unit_handshakes_off(pool: RankPool) -> None:
+    assert pool.run(_unit_handshakes, None) == [2, 2]
+    assert pool.run(_unit_handshakes, "1") == [2, 2]
+    assert pool.run(_unit_handshakes, "0") == [0, 0]
