@@ -183,6 +183,18 @@ class FairscaleAttributes(WrapperMixin):
         self._bind(group)
 
     @property
+    def process_group_reduce_scatter(self) -> Any:
+        """The group gradients are reduce-scattered over (fairscale's attribute)."""
+        return self.fsdp_config.comm.process_group_reduce_scatter
+
+    @process_group_reduce_scatter.setter
+    def process_group_reduce_scatter(self, group: Any) -> None:
+        """fairscale's idiom after unpickling: ``m.process_group_reduce_scatter = dist.new_group()`` on
+        every wrapper, after ``m.process_group = group``. A group of the same ranks as
+        ``process_group``, or ``ProcessGroupName.default`` (reduce over ``process_group`` itself)."""
+        self._bind_reduce_scatter(group)
+
+    @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.fsdp_config.sharding.strategy
 
@@ -205,7 +217,6 @@ class FairscaleAttributes(WrapperMixin):
         return self._torch_options.shown_cpu_offload(self.move_params_to_cpu)
 
     # fairscale's resolved options, as stored
-    process_group_reduce_scatter = _field("process_group_reduce_scatter", "comm.process_group_reduce_scatter")
     force_input_to_fp32 = _field("force_input_to_fp32", "precision.force_input_to_fp32")
     clear_autocast_cache = _field("clear_autocast_cache", "precision.clear_autocast_cache")
     flatten_parameters = _field("flatten_parameters", "sharding.flatten_parameters")

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.api import CommConfig, FSDPConfig, ShardingStrategy, TrainingState
+from fsdp.api import CommConfig, FSDPConfig, ProcessGroupName, ShardingStrategy, TrainingState
 from fsdp.comm.consistency import wrapper_path
 from fsdp.comm.topology import is_stand_in
 from fsdp.common.guards import claim_modules
@@ -309,6 +309,40 @@ class ModuleOps(WrapperMixin):
             h.comm = comm
         ctx = self._ctx
         if ctx is not None:  # the root's context was set up over the old groups
+            ctx.wrappers[0]._release_context()
+
+    def _bind_reduce_scatter(self, group: Any) -> None:
+        """fairscale's ``model.process_group_reduce_scatter = group``: gradients are reduce-scattered over
+        ``group`` from now on, which must hold the ranks of ``process_group`` in the same order (the
+        shards are laid out by those ranks). Between steps; call it on every wrapper."""
+        comm = self.fsdp_config.comm
+        if group is ProcessGroupName.default:
+            group = comm.process_group
+        elif group is ProcessGroupName.reduce_scatter or group is None:
+            raise TypeError(
+                "FullyShardedDataParallel.process_group_reduce_scatter takes a process group (or "
+                "ProcessGroupName.default for process_group itself); to get a group of its own, pass "
+                "dist.new_group() on every rank"
+            )
+        if self.fsdp_config.sharding.strategy is ShardingStrategy.HYBRID_SHARD:
+            raise TypeError(
+                "FullyShardedDataParallel.process_group_reduce_scatter cannot be set on a HYBRID_SHARD wrapper "
+                "(it reduces over its shard group, fixed at construction)"
+            )
+        self._check_between_steps("setting process_group_reduce_scatter")
+        mine = None if is_stand_in(comm.process_group) else comm.process_group
+        ranks = dist.get_process_group_ranks(group)
+        if mine is None or ranks != dist.get_process_group_ranks(mine):
+            raise ValueError(
+                "FullyShardedDataParallel.process_group_reduce_scatter must hold the ranks of process_group in "
+                f"the same order ({ranks} given); after unpickling, set model.process_group first"
+            )
+        comm = dataclasses.replace(comm, process_group_reduce_scatter=group)
+        self.fsdp_config = dataclasses.replace(self.fsdp_config, comm=comm)
+        for h in self.handles:
+            h.comm = comm
+        ctx = self._ctx
+        if ctx is not None:  # the root's context holds buckets keyed by the old group
             ctx.wrappers[0]._release_context()
 
     def _require_groups(self, what: str) -> None:

@@ -517,16 +517,33 @@ def _built_elsewhere(tmp: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = torch.load(path, weights_only=False)
     before = [str(m.process_group) for m in model.modules() if isinstance(m, FSDP)]
+    groups = []
     for m in model.modules():
         if isinstance(m, FSDP):
             m.process_group = dist.group.WORLD
+            m.process_group_reduce_scatter = dist.new_group()  # fairscale's _one_step, after unpickling
+            groups.append(m.process_group_reduce_scatter)
+    reduced_over = []
+    real = fsdp.comm.collectives.reduce_scatter
+
+    def reduce_scatter(out: Any, full: torch.Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
+        reduced_over.append(group)
+        return real(out, full, group, *args, **kwargs)
+
+    # one collective per gradient (handle_grads), or per bucket of small ones (rs_buckets)
+    fsdp.core.handle_grads.reduce_scatter = fsdp.comm.collectives.reduce_scatter = reduce_scatter  # type: ignore[assignment]
     here = _nested()
     x = torch.rand(4, 8, generator=torch.Generator().manual_seed(rank))
     for m in (model, here):
         optim = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
         m(x).sum().backward()
         optim.step()
+    fsdp.core.handle_grads.reduce_scatter = fsdp.comm.collectives.reduce_scatter = real  # type: ignore[assignment]
+    mine = {id(g) for g in groups}
+    reduced_over = reduced_over[: len(reduced_over) // 2]  # (the model built elsewhere trained first)
     return {
+        "set": len(mine) == 4 and all(g is not dist.group.WORLD for g in groups),
+        "used": bool(reduced_over) and all(id(g) in mine for g in reduced_over),
         "before": before,
         "same": all(
             torch.equal(a, b) for a, b in zip(model.state_dict().values(), here.state_dict().values())
@@ -541,3 +558,4 @@ def test_a_model_built_in_another_process_with_a_stand_in_trains_once_given_the_
     for rank, r in enumerate(pool.run(_built_elsewhere, str(tmp_path))):
         assert len(r["before"]) == 4 and all("DummyProcessGroup" in b for b in r["before"]), r
         assert r["same"], f"rank {rank}: the model built elsewhere trains as one built here"
+        assert r["set"] and r["used"], r  # the groups set after unpickling carry the gradient reductions
