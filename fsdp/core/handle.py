@@ -190,6 +190,7 @@ class FlatParamHandle(HandleGradients):
         self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
         self._grad_acc = self._full_grad = None
         self.grad_state = GradState.IDLE
+        self.on_reduced = None  # (an optimizer in backward sets it on the handles it steps)
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = make_placeholders(self)
         self.remove_module_tensors()

@@ -76,7 +76,8 @@ stays allocated inside the context (with ``keep_full_params``, every unit's full
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,9 @@ class HandleGradients:
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
     _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
+    # called with the handle when its gradient of this backward is REDUCED (fsdp.optimizer_in_backward);
+    # the end of backward calls it again once the handle is resharded
+    on_reduced: Callable[[Any], None] | None
     # summon(with_grads): (full gradient, shard gradient, the views shown); None outside
     _full_grad: tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]] | None
 
@@ -337,6 +341,8 @@ class HandleGradients:
             "an accumulated gradient outside UNSYNCED"
         )
         self.grad_state = state
+        if state is GradState.REDUCED and self.on_reduced is not None:
+            self.on_reduced(self)
 
     @property
     def reduced_this_backward(self) -> bool:

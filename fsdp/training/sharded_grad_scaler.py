@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fsdp.comm.collectives import all_reduce
 from fsdp.comm.consistency import SCALER_CHECK, agree_on_entry
 from fsdp.common.device import default_compute_device
+from fsdp.training.optim_in_backward import in_backward_handles
 
 __all__ = ["ShardedGradScaler"]
 
@@ -51,6 +52,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
             device = default_compute_device(set()).type  # CUDA when available, else CPU
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.process_group = process_group  # None: the default (world) group
+
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        """``torch.amp.GradScaler.scale``; refused beside an optimizer that steps in backward."""
+        if self.is_enabled() and in_backward_handles():
+            raise RuntimeError(
+                "ShardedGradScaler with fsdp.optimizer_in_backward: the step runs inside backward, on the "
+                "scaled gradients and before the check for inf/nan that would skip it. Use bf16 (no loss "
+                "scaling needed) with optimizer_in_backward, or a usual optimizer with the scaler"
+            )
+        return super().scale(outputs)
 
     def _unscale_grads_(  # type: ignore[override]
         self,

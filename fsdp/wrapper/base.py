@@ -60,7 +60,7 @@ from fsdp.core.flat_param import (
     resharded_in_backward,
 )
 from fsdp.core.grad_hooks import GraphToken, OutputHook
-from fsdp.core.handle import FlatParamHandle, free_unused_prefetches
+from fsdp.core.handle import FlatParamHandle, GradState, free_unused_prefetches
 from fsdp.core.no_shard_buckets import finish_no_shard_buckets
 from fsdp.wrapper.direct_call import DirectCallMethods, OpenForward
 from fsdp.wrapper.fairscale_attrs import FairscaleAttributes
@@ -565,6 +565,8 @@ class WrapperBase(
                     # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
                     h.reshard(free_full=free)
                     h.finalize_gradient()
+                    if h.on_reduced is not None and h.grad_state is GradState.REDUCED:
+                        h.on_reduced(h)  # (reduced while its full parameter was still in use)
         finally:
             if ctx.bucketer is not None and ctx.bucketer._active:
                 ctx.bucketer.abort()

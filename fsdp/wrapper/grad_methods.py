@@ -70,6 +70,12 @@ class GradientMethods(WrapperMixin):
                 "reduced yet, so there is nothing to clip; call it after the backward outside no_sync()"
             )
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
+        if any(h.on_reduced is not None for h in handles):
+            raise RuntimeError(
+                "FullyShardedDataParallel: clip_grad_norm_() with fsdp.optimizer_in_backward: each unit's shard "
+                "was already updated in backward, before the last gradient (and so the global norm) existed. "
+                "Clip with a usual optimizer (backward(); clip_grad_norm_(); optimizer.step())"
+            )
         ignored = {id(p): p for w in ctx.wrappers for p in w._ignored.tensors() if p.requires_grad}
         group, device = self.fsdp_config.comm.dp_group, self.compute_device
         return clip_grad_norm_(
