@@ -24,6 +24,7 @@ from fsdp.checkpoints.save_load import latest_checkpoint, load_checkpoint, save_
 from fsdp.ddp.data_parallel import DistributedDataParallel
 from fsdp.offload.model import OffloadModel
 from fsdp.training.activation_checkpoint import checkpoint_wrapper, disable_checkpointing
+from fsdp.training.memory_estimate import MemoryEstimate, estimate_memory
 from fsdp.training.optim_in_backward import optimizer_in_backward
 from fsdp.training.sharded_grad_scaler import ShardedGradScaler
 from fsdp.wrap import (
@@ -48,6 +49,7 @@ __all__ = [
     "FullStateDictConfig",
     "FullyShardedDataParallel",
     "LocalStateDictConfig",
+    "MemoryEstimate",
     "MixedPrecision",
     "OffloadModel",
     "OptimStateKeyType",
@@ -66,6 +68,7 @@ __all__ = [
     "default_auto_wrap_policy",
     "disable_checkpointing",
     "enable_wrap",
+    "estimate_memory",
     "get_fsdp_instances",
     "lambda_auto_wrap_policy",
     "latest_checkpoint",

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp.comm.lost_ranks import is_connection_loss, lost_rank_message
+from fsdp.comm.simulation import device_type, is_simulating
 from fsdp.common.device import default_compute_device
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ def all_gather(
         output.copy_(shard.view_as(output))
         return Pending(None, output)
     handed: list[torch.Tensor] = []
-    if output.device.type == "cpu" and n <= _BROADCAST_GATHER_MAX_RANKS:
+    if device_type(output.device) == "cpu" and n <= _BROADCAST_GATHER_MAX_RANKS:
         work: Any = _broadcast_gather(output, shard, group, n, handed)
     else:
         work = _all_gather_fn(_handed(output, handed), _handed(shard, handed), group=group, async_op=True)
@@ -339,9 +340,9 @@ def reduce_scatter(
         )
     if stats is not None:
         stats.record(CollectiveKind.REDUCE_SCATTER, full)
-    if full.device.type == "cpu" and 1 < n <= _EXCHANGE_MAX_RANKS:
+    if device_type(full.device) == "cpu" and 1 < n <= _EXCHANGE_MAX_RANKS:
         return _exchange_reduce_scatter(output, full, group, n)
-    if full.device.type == "cpu" and n > 1:
+    if device_type(full.device) == "cpu" and n > 1:
         handed: list[torch.Tensor] = []
         work = dist.all_reduce(_handed(full, handed), op=dist.ReduceOp.SUM, group=group, async_op=True)
         mine = full.view(n, -1)[dist.get_rank(group)]
@@ -383,14 +384,16 @@ def _exchange_reduce_scatter(
     chunks = full.view(n, -1)
     peers = [k for k in range(n) if k != me]
     received = {k: chunks.new_empty(chunks.shape[1]) for k in peers}
-    works = [
-        dist.isend(chunks[k], dst=dist.get_global_rank(group, k), group=group, tag=_EXCHANGE_TAG)
-        for k in peers
-    ]
-    works += [
-        dist.irecv(received[k], src=dist.get_global_rank(group, k), group=group, tag=_EXCHANGE_TAG)
-        for k in peers
-    ]
+    works = []
+    if not is_simulating():  # (a simulated step keeps the buffers and sends nothing)
+        works = [
+            dist.isend(chunks[k], dst=dist.get_global_rank(group, k), group=group, tag=_EXCHANGE_TAG)
+            for k in peers
+        ]
+        works += [
+            dist.irecv(received[k], src=dist.get_global_rank(group, k), group=group, tag=_EXCHANGE_TAG)
+            for k in peers
+        ]
     mine = chunks[me]
 
     def total() -> torch.Tensor:
@@ -577,6 +580,8 @@ def all_gather_ints(
     ``device``, not an object one (those run on the current CUDA device, which need not be the
     compute device). Collective."""
     world = dist.get_world_size(group)
+    if is_simulating():  # (no peers to hear from: every simulated rank says the same)
+        return [tuple(values)] * world
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     everyone = mine.repeat(world)  # (filled by the all-gather; torch's fake group leaves it)
     if world == 1:
@@ -599,7 +604,7 @@ def broadcast_from_first_rank(
     ``sync_module_states``). Collective: a fixed-size exchange of a digest of the shapes and dtypes
     first, so ranks that hold different tensors raise (on every rank) instead of pairing mismatched
     broadcasts; then one broadcast per dtype, staged on ``device``."""
-    if _size(group) == 1:
+    if _size(group) == 1 or is_simulating():
         return
     distinct = list({id(t): t for t in tensors}.values())  # (tied tensors once)
     layout = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in distinct)

@@ -34,6 +34,7 @@ from fsdp.comm.collectives import (
     set_activity,
 )
 from fsdp.comm.lost_ranks import host_code, note_processes, note_siblings
+from fsdp.comm.simulation import is_simulating
 
 __all__ = [
     "BACKWARD",
@@ -167,7 +168,7 @@ def check_same_reductions_on_all_ranks(root: Any, wrappers: list[Any], stats: Co
     # every flat parameter of the tree (the same on every rank: the tree is agreed), so that the
     # message has the same size on every rank even where requires_grad differs
     handles = [(w, h) for w in wrappers for h in w.handles]
-    if root.world_size == 1 or not any(h.requires_grad for _, h in handles):
+    if root.world_size == 1 or not any(h.requires_grad for _, h in handles) or is_simulating():
         return
     mine = torch.tensor([1 if h.reduced_this_backward else 0 for _, h in handles], dtype=torch.int32)
     both = torch.cat([mine, -mine]).to(root.compute_device)
@@ -260,7 +261,7 @@ def agree_on_entry(
     same one with another digest (``explain(control_group)`` then raises the precise error: every
     rank calls it, so it may exchange details). ``activity`` (phase, unit) is what a rank waiting here
     says it was doing when a peer stops (default: ``op``). Collective. See [Note: agreement before communication]."""
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None or dist.get_world_size(group) == 1 or is_simulating():
         return
     control, device = control_group(group)
     note_siblings()  # (until every rank of this host is known: a rank may stop before this handshake)

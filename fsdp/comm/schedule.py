@@ -34,6 +34,7 @@ import weakref
 from typing import Any
 
 from fsdp.api import ScheduleConfig
+from fsdp.comm.simulation import device_type
 from fsdp.common.device import DeviceHandle
 
 __all__ = ["Scheduler"]
@@ -60,7 +61,8 @@ class Scheduler:
         self.order = []
         self.recorded = None
         requested = config.forward_prefetch
-        self.forward = not device.is_cuda if requested is None else requested
+        cuda = device.is_cuda or device_type(device.device) == "cuda"  # (a simulated CUDA step too)
+        self.forward = not cuda if requested is None else requested
         self.forward_ok = True
         self._free_events = collections.deque()
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp.api import ProcessGroupName, ShardingStrategy
 from fsdp.comm.collectives import get_process_group_cached, hybrid_groups
+from fsdp.comm.simulation import is_simulating
 from fsdp.common.device import default_compute_device, device_available, with_index
 
 __all__ = [
@@ -127,6 +128,8 @@ def checked_device(value: Any, name: str, allow_meta: bool = False) -> torch.dev
 def materialize_device(compute_device: Any, params_to_cpu: bool, group: Any) -> torch.device:
     """Where meta parameters materialize: ``compute_device``, else where a CPU-built model would
     compute (:func:`choose_compute_device`), except that NCCL in the group also means CUDA."""
+    if is_simulating():  # See [Note: simulated steps]
+        return torch.device("meta")
     if compute_device is not None:
         return torch.device(compute_device)
     return default_compute_device({torch.device("cpu")}, prefer_cuda=params_to_cpu or backend_has_cuda(group))
@@ -147,6 +150,8 @@ def choose_compute_device(
             f"FullyShardedDataParallel: the parameters of {type(module).__name__} are on several devices "
             f"({', '.join(sorted(str(d) for d in devices))}); move the module to one device before wrapping"
         )
+    if is_simulating():  # See [Note: simulated steps]
+        return torch.device("meta")
     if compute_device is not None:
         return torch.device(compute_device)
     return default_compute_device(devices, inner_devices, params_to_cpu or backend_is_cuda_only(group))

@@ -2,7 +2,8 @@
 
 Owns: activation checkpointing (``activation_checkpoint.py``, with its eager half
 ``recompute.py``; neither imports the wrapper), the optimizer step inside backward
-(``optim_in_backward.py``) and the sharded gradient scaler (``sharded_grad_scaler.py``).
+(``optim_in_backward.py``), the sharded gradient scaler (``sharded_grad_scaler.py``) and the
+estimate of a rank's peak memory before a job (``memory_estimate.py``).
 
 Imports from: fsdp.api, fsdp.common, fsdp.comm, fsdp.core, fsdp.wrapper.
 """

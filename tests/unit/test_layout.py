@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parents[2] / "fsdp"
 ORDER = [
     "api",
     "common.device", "common.torch_compile", "common.nest", "common.guards",
-    "comm.lost_ranks", "comm.collectives", "comm.consistency", "comm.topology", "comm.schedule", "comm.buckets", "comm.rs_buckets",
+    "comm.simulation", "comm.lost_ranks", "comm.collectives", "comm.consistency", "comm.topology", "comm.schedule", "comm.buckets", "comm.rs_buckets",
     "core.sharding", "core.deferred_init", "core.flat_param", "core.grad_hooks", "core.handle_grads", "core.handle",
     "core.no_shard_buckets", "core.layout", "core.wrapper_protocol",
     "state.local", "state.state_dict", "state.optim_fairscale", "state.optim_state", "state.optim_sharded",
@@ -30,7 +30,7 @@ ORDER = [
     "wrapper.stats_methods", "wrapper.grad_methods", "wrapper.fairscale_attrs", "wrapper.summon_methods",
     "wrapper.direct_call", "wrapper.torch_compat", "wrapper.torch_methods", "wrapper.module_ops",
     "wrapper.construct", "wrapper.root_context", "wrapper.base", "wrapper.fully_sharded", "wrapper.norm_wrap",
-    "training.recompute", "training.activation_checkpoint", "training.optim_in_backward",
+    "training.recompute", "training.activation_checkpoint", "training.optim_in_backward", "training.memory_estimate",
     "training.sharded_grad_scaler",
     "ddp.data_parallel",
     "offload.layer_slice", "offload.engine", "offload.model",

@@ -1,0 +1,130 @@
+"""Before a job: one rank's peak memory over a training step, estimated at any world size.
+
+:func:`estimate_memory` builds the model with its wrappers on the meta device, under torch's fake
+process group of ``world_size`` ranks, and runs a warm-up step and one step under torch's tracker of
+live tensors (``MemTracker``): the real wrapper, the real optimizer, the real activation checkpointing,
+every tensor the step holds on one rank, with no memory and no peer (See [Note: simulated steps] in
+``fsdp/comm/simulation.py``). A 30M-parameter GPT takes about two seconds at any world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp.comm.simulation import simulating
+from fsdp.common.device import default_compute_device
+from fsdp.training.optim_in_backward import optimizer_in_backward as _in_backward
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's peak over a training step, as torch's ``MemTracker`` splits it.
+
+    ``breakdown`` maps the tracker's categories to bytes at the peak: ``PARAM`` (this rank's
+    parameter shards), ``BUFFER``, ``GRAD`` (gradients on parameters), ``ACT`` (activations and the
+    gathered parameters a forward holds), ``TEMP`` (temporaries: gradients being reduced, the
+    optimizer's intermediates), ``OPT`` (optimizer state), ``OTH``."""
+
+    world_size: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+
+    def fits(self, memory_bytes: int) -> bool:
+        """Whether the peak stays within ``memory_bytes`` (allocator overhead not counted)."""
+        return self.peak_bytes <= memory_bytes
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.breakdown.items() if v)
+        return (
+            f"peak {self.peak_bytes / 2**20:.1f} MiB per rank at world size {self.world_size} ({parts} MiB)"
+        )
+
+
+def estimate_memory(
+    build: Callable[[], nn.Module],
+    step: Callable[[nn.Module], torch.Tensor],
+    world_size: int,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    optimizer_in_backward: bool = False,
+    device: str | None = None,
+) -> MemoryEstimate:
+    """One rank's peak memory over a training step of ``build()`` on ``world_size`` ranks.
+
+    ``build()`` makes the model and its wrappers as the job will (it runs under
+    ``torch.device("meta")``, so plain constructors need no change); ``step(model)`` runs the forward
+    of one rank's batch and returns the loss (make the batch inside it: tensors made there are on
+    the meta device too). The estimate then runs ``loss.backward()``, the optimizer's step (or the
+    step inside backward, with ``optimizer_in_backward=True``) and ``zero_grad()``, twice (the
+    first makes the optimizer state), and reports the second step's peak. ``device`` is the job's
+    device type, ``"cuda"`` or ``"cpu"`` (default: CUDA when this machine has it): where this
+    library's collectives and prefetching choose by device, the simulation follows that choice (pass
+    ``device="cuda"`` to plan a GPU job from a laptop). The estimate counts tensors, as torch's
+    tracker does: the CUDA caching allocator's fragmentation and the CUDA context come on top. Call
+    it where no process group is initialized (before ``init_process_group``, or in a process of its
+    own)::
+
+        def build():
+            model = GPT(cfg)
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = FSDP(block)
+            return FSDP(model)
+
+        def step(model):
+            x = torch.randint(0, cfg.vocab, (4, 1024))
+            return model(x, x)[1]
+
+        print(fsdp.estimate_memory(build, step, world_size=64))
+    """
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "estimate_memory needs no process group of its own and simulates one: call it before "
+            "init_process_group(), or in a separate process (a notebook, a script run before the job)"
+        )
+    if world_size < 1:
+        raise ValueError(f"estimate_memory: world_size must be at least 1, got {world_size}")
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    target = device or default_compute_device(set()).type  # (CUDA when this machine has it)
+    if target not in ("cuda", "cpu"):
+        raise ValueError(f"estimate_memory: device must be 'cuda' or 'cpu', got {device!r}")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        with simulating(target), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the tracker warns about outputs that hold no tensor)
+            model = build()
+            kwargs = dict(optimizer_kwargs or {})
+            if optimizer_in_backward:
+                optim: torch.optim.Optimizer = _in_backward(model, optimizer_class, **kwargs)
+            else:
+                optim = optimizer_class(model.parameters(), **kwargs)
+
+            def train_step() -> None:
+                torch.autograd.backward(step(model))
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+
+            train_step()
+            gc.collect()
+            tracker = MemTracker()
+            tracker.track_external(model, optim)
+            with tracker:
+                train_step()
+            peak = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+    meta = next((cats for dev, cats in peak.items() if torch.device(dev).type == "meta"), {})
+    breakdown = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in meta.items()}
+    total = breakdown.pop("Total", 0)
+    return MemoryEstimate(world_size, total, breakdown)
