@@ -26,22 +26,26 @@ from fsdp.core.layout import BufferSlot, IgnoredSlot, Layout, Unit, write_shard_
 __all__ = [
     "LOCAL_STATE_KEY",
     "consolidate_shard_weights",
+    "identity_of",
     "load_local_state_dict",
+    "local_identity",
     "local_metadata_dict",
     "local_state_dict",
 ]
 
-LOCAL_STATE_KEY = "_fsdp_local_state"  # identity entry of a local state dict
+LOCAL_STATE_KEY = "_fsdp_local_state"  # the identity entry of versions 1 and 2; in _metadata since 3
 # 1: the identity entry was a dict, and every shard was "flat_param_<i>", flatten_parameters=False too;
-# 2: the identity entry is a uint8 tensor (its JSON), and unflattened shards are named by parameter.
-FORMAT_VERSION = 2
+# 2: the identity entry is a uint8 tensor (its JSON), and unflattened shards are named by parameter;
+# 3: the identity is in the state dict's ``_metadata`` (torch's place for such information), under
+#    the wrapper's prefix, key LOCAL_STATE_KEY: every entry of the dict is a parameter or a buffer.
+FORMAT_VERSION = 3
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _local_identity(layout: Layout) -> dict[str, Any]:
+def local_identity(layout: Layout) -> dict[str, Any]:
     return {
         "version": FORMAT_VERSION,
         "world_size": layout.world_size,
@@ -50,12 +54,15 @@ def _local_identity(layout: Layout) -> dict[str, Any]:
     }
 
 
-def _identity_tensor(layout: Layout) -> torch.Tensor:
-    """The identity as a tensor (UTF-8 JSON bytes), so that code mapping over the values of a
-    local state dict (``{k: v.cpu() for k, v in sd.items()}``) keeps it, and ``torch.load`` with
-    ``weights_only=True`` reads it."""
-    text = json.dumps(_local_identity(layout), sort_keys=True).encode()
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).clone()
+def identity_of(state: Mapping[str, Any], prefix: str = "") -> Any:
+    """The identity a local state dict carries: in its ``_metadata`` under ``prefix`` (version 3), or
+    as the entry of versions 1 and 2; ``None`` when it has none."""
+    metadata = getattr(state, "_metadata", None)
+    if isinstance(metadata, Mapping):
+        entry = metadata.get(prefix.rstrip("."))
+        if isinstance(entry, Mapping) and LOCAL_STATE_KEY in entry:
+            return entry[LOCAL_STATE_KEY]
+    return state.get(prefix + LOCAL_STATE_KEY)
 
 
 def _read_identity(value: Any, where: str) -> Mapping[str, Any] | None:
@@ -101,8 +108,8 @@ def _alias_names(
 
 def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     """This rank's shards (``"<wrapper path>.flat_param_<i>"``, or the parameter's name under
-    ``flatten_parameters=False``), the ignored parameters and the buffers under their names, and an
-    identity entry (a ``uint8`` tensor). Every value is a tensor.
+    ``flatten_parameters=False``), the ignored parameters and the buffers under their names. The
+    identity (:func:`local_identity`) goes into the dict's ``_metadata``, by the caller.
 
     Values are detached references, as in ``nn.Module.state_dict``: copy them before changing the
     model. With ``keep_vars`` the flat parameters and buffers themselves. Buffers are in their dtype
@@ -121,7 +128,6 @@ def local_state_dict(layout: Layout, keep_vars: bool = False) -> dict[str, Any]:
     for b in layout.buffers:
         value = b.tensor if keep_vars else b.tensor.detach()
         out[b.name] = value if value.dtype == b.dtype else value.detach().to(b.dtype)
-    out[LOCAL_STATE_KEY] = _identity_tensor(layout)
     return out
 
 
@@ -135,8 +141,8 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
     loads when its keys and shapes fit: the rank that saved it cannot be checked then.
     """
     where = "FullyShardedDataParallel.load_local_state_dict"
-    ident = _read_identity(state.get(LOCAL_STATE_KEY), where)
-    mine = _local_identity(layout)
+    ident = _read_identity(identity_of(state), where)
+    mine = local_identity(layout)
     version = FORMAT_VERSION
     if ident is not None:
         version = int(ident.get("version", 1))
@@ -181,7 +187,7 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
             "it with load_state_dict(), or a sharded one with load_sharded_state_dict()"
         )
     missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected and k != LOCAL_STATE_KEY]
+    unexpected = [k for k in state if k not in expected and k != LOCAL_STATE_KEY]  # (versions 1 and 2)
     errors = [
         f"{k!r}: shape {tuple(state[k].shape)} in the state dict, {shape} in the model"
         for k, shape in expected.items()
@@ -193,7 +199,8 @@ def load_local_state_dict(layout: Layout, state: Mapping[str, Any], strict: bool
         errors.append("unexpected key(s): " + ", ".join(repr(k) for k in unexpected))
     if errors and ident is None:
         errors.append(
-            f"(the state dict has no {LOCAL_STATE_KEY!r} entry, so it was read as fairscale's local state dict: "
+            "(the state dict carries no identity (its _metadata was dropped, or it is fairscale's), so it was read as "
+            "fairscale's local state dict: "
             "this rank's shards and the buffers. A full state dict loads with load_state_dict(), a sharded one "
             "with load_sharded_state_dict())"
         )
@@ -287,7 +294,7 @@ def local_metadata_dict(layout: Layout) -> dict[str, Any]:
             }
         )
     return {
-        **_local_identity(layout),
+        **local_identity(layout),
         "param_metadata": units,
         "buffer_names": [b.name for b in layout.buffers],
         "ignored_param_names": [s.name for s in layout.ignored],

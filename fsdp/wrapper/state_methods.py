@@ -277,7 +277,10 @@ class StateDictMethods(WrapperMixin):
             raise NotImplementedError(
                 "FullyShardedDataParallel: load_state_dict(assign=True) is not supported, also from a parent module"
             )
-        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        mine: dict[str, Any] = OrderedDict(
+            (k[len(prefix) :], v) for k, v in state_dict.items() if k.startswith(prefix)
+        )
+        mine._metadata = OrderedDict({"": dict(local_metadata)})  # type: ignore[attr-defined]  # (the local identity)
         if not mine and self._state_dict_type is StateDictType.LOCAL_STATE_DICT:
             missing_keys.extend(prefix + k for k in self.local_state_dict())  # nothing of its own: not a load
         else:
@@ -291,14 +294,23 @@ class StateDictMethods(WrapperMixin):
     ) -> dict[str, Any]:
         """This rank's flat shards and buffers: the fast path to resume at the same world size and wrap plan.
 
-        Keys ``"<wrapper path>.flat_param_<i>"`` and the buffers' names, plus an identity entry that
-        :meth:`load_local_state_dict` checks. Values are detached references (as in
+        Keys ``"<wrapper path>.flat_param_<i>"`` and the buffers' names; the identity that
+        :meth:`load_local_state_dict` checks (world size, rank, wrap plan) is in the dict's ``_metadata``. Values are detached references (as in
         ``nn.Module.state_dict``), or the parameters themselves with ``keep_vars``. As in fairscale,
         entries go into ``destination`` if given, under ``prefix``.
         """
-        local = state_local.local_state_dict(self._state_layout(), keep_vars)
+        layout = self._state_layout()
+        local = state_local.local_state_dict(layout, keep_vars)
         out = destination if destination is not None else OrderedDict()
         out.update((prefix + k, v) for k, v in local.items())
+        # the identity load_local_state_dict checks, where torch keeps such information: the state dict's
+        # _metadata, under this wrapper's prefix (torch.save keeps it; a dict comprehension drops it)
+        metadata = getattr(out, "_metadata", None)
+        if metadata is None and isinstance(out, OrderedDict):
+            metadata = out._metadata = OrderedDict()  # type: ignore[attr-defined]
+        if metadata is not None:
+            entry = metadata.setdefault(prefix.rstrip("."), {})
+            entry[state_local.LOCAL_STATE_KEY] = state_local.local_identity(layout)
         return out
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> NamedTuple:

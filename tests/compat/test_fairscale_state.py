@@ -6,6 +6,7 @@ plain model or against fairscale's own functions."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -188,6 +189,7 @@ def _local_roundtrip(flatten: bool, mixed: bool) -> dict[str, Any]:
     _step(model, opt)
     local = model.local_state_dict()
     saved = _through_a_file({k: v.cpu().clone() for k, v in local.items()})  # fairscale users' idiom
+    whole = _through_a_file(local)  # torch.save of the dict itself keeps its _metadata, the identity
     full_at_save = {k: v.clone() for k, v in model.state_dict().items()}
     _step(model, opt)
     changed = [k for k, v in model.local_state_dict().items() if not torch.equal(v, saved[k])]
@@ -195,15 +197,15 @@ def _local_roundtrip(flatten: bool, mixed: bool) -> dict[str, Any]:
     restored = all(torch.equal(v, full_at_save[k]) for k, v in model.state_dict().items())
     theirs = _fairscales(flatten).local_state_dict()  # (fairscale's mixed precision needs CUDA)
     others: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(others, saved)
+    dist.all_gather_object(others, whole)
     refused = ""
     try:
-        model.load_local_state_dict(others[1 - rank])  # another rank's file, after the idiom
+        model.load_local_state_dict(others[1 - rank])  # another rank's file
     except ValueError as e:
         refused = str(e)
     return {
         "types": sorted({type(v).__name__ for v in local.values()}),
-        "keys": sorted(k for k in local if k != "_fsdp_local_state"),
+        "keys": sorted(local),
         "fairscale_keys": sorted(theirs),
         "same_shards_as_fairscale": all(
             torch.equal(_ours(flatten).local_state_dict()[k], v) for k, v in theirs.items()
@@ -221,7 +223,7 @@ def test_local_state_dict_is_fairscales_tensors_and_keeps_its_identity_check(
 ) -> None:
     for r in pool.run(_local_roundtrip, flatten, mixed):
         assert r["types"] == ["Tensor"], "tensors only: the {k: v.cpu()} idiom works"
-        assert r["keys"] == r["fairscale_keys"], "fairscale's keys (its parameter names when unflattened)"
+        assert r["keys"] == r["fairscale_keys"], "fairscale's keys and nothing else (parameters and buffers)"
         assert r["same_shards_as_fairscale"], "and the same shard in each"
         if not flatten:
             assert {"mid.weight", "embed.weight", "proj.weight"} <= set(r["keys"]), "tied: under each name"
@@ -230,15 +232,15 @@ def test_local_state_dict_is_fairscales_tensors_and_keeps_its_identity_check(
             "training changed every shard (fairscale's check)"
         )
         assert r["restored"], "the saved dict, copied to the CPU and through a file, loads back exactly"
-        assert "holds the shards of rank" in r["refused"], "another rank's file is still refused"
+        assert "holds the shards of rank" in r["refused"], (
+            "another rank's file is refused (identity in _metadata)"
+        )
 
 
 def _as_version_1(local: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A local state dict and its metadata in the layout earlier versions saved: the identity as a
     dict, and every shard named ``flat_param_<i>``, unflattened ones too (no tied names)."""
-    import json
-
-    ident = json.loads(bytes(local["_fsdp_local_state"].tolist()).decode())
+    ident = local._metadata[""]["_fsdp_local_state"]  # type: ignore[attr-defined]
     old_local: dict[str, Any] = {"_fsdp_local_state": {**ident, "version": 1}}
     old_units = []
     for unit in meta["param_metadata"]:
@@ -266,7 +268,7 @@ def _fairscale_shards(flatten: bool) -> dict[str, Any]:
     loaded = {k: torch.equal(v, expected[k]) for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     _step(model, opt)  # and it trains from there
-    ours_local = {k: v.clone() for k, v in model.local_state_dict().items()}
+    ours_local = copy.deepcopy(model.local_state_dict())  # (a copy that keeps the identity in _metadata)
     ours_meta = model.local_metadata_dict()
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     old_local, old_meta = _as_version_1(ours_local, ours_meta)

@@ -313,3 +313,25 @@ def _ignored_entries(kind: str) -> dict[str, bool]:
 def test_ignored_parameters_and_buffers_are_the_modules_own_tensors(pool: RankPool, kind: str) -> None:
     for shared in pool.run(_ignored_entries, kind):
         assert all(shared.values()), shared
+
+
+def _local_dtypes_under_mixed_precision() -> dict[str, Any]:
+    """torch's LOCAL_STATE_DICT tests under mixed precision check every entry's dtype against the
+    parameters' (no other entry: the identity is in the dict's _metadata)."""
+    torch.manual_seed(0)
+    mp = torch_fsdp.MixedPrecision(param_dtype=torch.float16)
+    model = FSDP(
+        nn.Sequential(FSDP(nn.Linear(4, 4), mixed_precision=mp), nn.Linear(4, 2)), mixed_precision=mp
+    )
+    with FSDP.state_dict_type(model, torch_fsdp.StateDictType.LOCAL_STATE_DICT):
+        sd = model.state_dict()
+    with FSDP.state_dict_type(model, torch_fsdp.StateDictType.LOCAL_STATE_DICT):
+        model.load_state_dict(sd)  # (and it loads back, its identity checked)
+    return {"dtypes": sorted({str(v.dtype) for v in sd.values()}), "identity": sorted(sd._metadata[""])}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_local_state_dict_under_mixed_precision_holds_the_parameters_dtype_only(pool: RankPool) -> None:
+    for r in pool.run(_local_dtypes_under_mixed_precision):
+        assert r["dtypes"] == ["torch.float32"], r
+        assert "_fsdp_local_state" in r["identity"], r

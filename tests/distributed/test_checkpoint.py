@@ -582,7 +582,7 @@ def _local_misuse() -> dict[str, str]:
     _, model = make(CASE, seed=1)
     local = model.local_state_dict()
     _, other_plan = make(CASE, seed=1, paths=("body",))
-    box = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.items()}]
+    box = [copy.deepcopy(local)]  # (a copy keeps the identity, in the dict's _metadata)
     dist.broadcast_object_list(box, src=1)  # every rank now holds rank 1's shards
     bad_shape = dict(local)
     bad_shape["flat_param_0"] = torch.zeros(5)  # the root's shard
