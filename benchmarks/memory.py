@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from benchmarks._example import timed_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # vocabulary, context, blocks, width, heads ("tiny": a check of the script itself)
@@ -90,14 +91,7 @@ def _rank(variant: str, regime: str, out: str, size: str) -> None:
 
     def step() -> float:
         x = torch.randint(0, vocab, (batch, context), generator=gen)
-        dist.barrier()
-        t0 = time.perf_counter()
-        _, loss = model(x, x)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        dist.barrier()
-        return time.perf_counter() - t0
+        return timed_step(model, x, x, optim)
 
     step()  # warm-up: lazy init, optimizer state
     gc.collect()

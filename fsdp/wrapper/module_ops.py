@@ -303,12 +303,16 @@ class ModuleOps(WrapperMixin):
                 "replicate groups are fixed at construction); build it again with process_group=(shard, replicate)"
             )
         self._check_between_steps("setting process_group")
-        comm = bound_comm(self.fsdp_config.comm, group)
+        self._use_comm(bound_comm(self.fsdp_config.comm, group))
+
+    def _use_comm(self, comm: CommConfig) -> None:
+        """Communicate by ``comm`` from now on: the config and every handle take it, and the root's
+        context, set up over the old groups (its buckets are keyed by them), is made again."""
         self.fsdp_config = dataclasses.replace(self.fsdp_config, comm=comm)
         for h in self.handles:
             h.comm = comm
         ctx = self._ctx
-        if ctx is not None:  # the root's context was set up over the old groups
+        if ctx is not None:
             ctx.wrappers[0]._release_context()
 
     def _bind_reduce_scatter(self, group: Any) -> None:
@@ -337,13 +341,7 @@ class ModuleOps(WrapperMixin):
                 "FullyShardedDataParallel.process_group_reduce_scatter must hold the ranks of process_group in "
                 f"the same order ({ranks} given); after unpickling, set model.process_group first"
             )
-        comm = dataclasses.replace(comm, process_group_reduce_scatter=group)
-        self.fsdp_config = dataclasses.replace(self.fsdp_config, comm=comm)
-        for h in self.handles:
-            h.comm = comm
-        ctx = self._ctx
-        if ctx is not None:  # the root's context holds buckets keyed by the old group
-            ctx.wrappers[0]._release_context()
+        self._use_comm(dataclasses.replace(comm, process_group_reduce_scatter=group))
 
     def _require_groups(self, what: str) -> None:
         """Refuse to communicate over a stand-in (built with one, or unpickled) of more than one rank."""
