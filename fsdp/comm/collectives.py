@@ -41,6 +41,7 @@ __all__ = [
     "broadcast",
     "broadcast_from_first_rank",
     "control_group",
+    "forget_world",
     "get_process_group_cached",
     "hybrid_groups",
     "reduce_scatter",
@@ -501,6 +502,15 @@ def get_process_group_cached(group: dist.ProcessGroup, purpose: str) -> dist.Pro
 
 
 _control_cache: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup, torch.device]] = {}
+
+
+def forget_world(world: Any) -> None:
+    """Drop the groups cached for the default group ``world`` (before it is destroyed): its id may be
+    a later default group's, which must not find them (a simulated world's, say)."""
+    for key in [k for k in _group_cache if k[1] == id(world)]:  # (purpose, id(world), ranks)
+        del _group_cache[key]
+    for control_key in [k for k in _control_cache if k[0] == id(world)]:  # (id(world), id(group))
+        del _control_cache[control_key]
 
 
 def control_group(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, torch.device]:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp.comm.collectives import forget_world
 from fsdp.comm.simulation import simulating
 from fsdp.common.device import default_compute_device
 from fsdp.training.optim_in_backward import optimizer_in_backward as _in_backward
@@ -100,6 +101,7 @@ def estimate_memory(
     if target not in ("cuda", "cpu"):
         raise ValueError(f"estimate_memory: device must be 'cuda' or 'cpu', got {device!r}")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    fake_world = dist.group.WORLD
     try:
         with simulating(target), torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the tracker warns about outputs that hold no tensor)
@@ -123,6 +125,7 @@ def estimate_memory(
                 train_step()
             peak = tracker.get_tracker_snapshot("peak")
     finally:
+        forget_world(fake_world)  # (the job's world may be given the same id)
         dist.destroy_process_group()
     meta = next((cats for dev, cats in peak.items() if torch.device(dev).type == "meta"), {})
     breakdown = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in meta.items()}

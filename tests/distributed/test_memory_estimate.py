@@ -123,3 +123,33 @@ def test_the_estimate_refuses_to_run_inside_a_job(pool: RankPool) -> None:
     for msg in pool.run(_inside_a_job):
         assert "before init_process_group()" in msg, msg
         assert dist.is_available()
+
+
+def test_a_job_started_after_an_estimate_in_the_same_process_trains(tmp_path: Path) -> None:
+    """estimate_memory, then init_process_group and training in the same processes (torchrun, two
+    ranks): nothing of the simulated world (its cached groups) is found by the job's."""
+    out = tmp_path / "peak.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "tests.estimate_then_train", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(out.read_text()) > 0
+
+
+_CACHES = """
+import torch, fsdp
+from fsdp.comm import collectives
+from tests.distributed.test_memory_estimate import build, step
+fsdp.estimate_memory(lambda: build(True), step, 4, device="cpu")
+print(len(collectives._group_cache), len(collectives._control_cache))
+"""
+
+
+def test_an_estimate_leaves_no_group_of_its_simulated_world_cached() -> None:
+    """The groups made for the simulated world are dropped with it: a later default group may be
+    given the same id, and must not find them."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CACHES], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "0"], proc.stdout
