@@ -24,7 +24,7 @@ from fsdp.checkpoints.save_load import latest_checkpoint, load_checkpoint, save_
 from fsdp.ddp.data_parallel import DistributedDataParallel
 from fsdp.offload.model import OffloadModel
 from fsdp.training.activation_checkpoint import checkpoint_wrapper, disable_checkpointing
-from fsdp.training.memory_estimate import MemoryEstimate, estimate_memory
+from fsdp.training.memory_estimate import MemoryEstimate, estimate_memory, measure_memory
 from fsdp.training.optim_in_backward import optimizer_in_backward
 from fsdp.training.sharded_grad_scaler import ShardedGradScaler
 from fsdp.wrap import (
@@ -73,6 +73,7 @@ __all__ = [
     "lambda_auto_wrap_policy",
     "latest_checkpoint",
     "load_checkpoint",
+    "measure_memory",
     "no_split_modules_auto_wrap_policy",
     "optimizer_in_backward",
     "save_checkpoint",

@@ -24,12 +24,13 @@ from fsdp.comm.simulation import simulating
 from fsdp.common.device import default_compute_device
 from fsdp.training.optim_in_backward import optimizer_in_backward as _in_backward
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "measure_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """One rank's peak over a training step, as torch's ``MemTracker`` splits it.
+    """One rank's peak over a training step, as torch's ``MemTracker`` splits it (estimated by
+    :func:`estimate_memory`, or measured by :func:`measure_memory`).
 
     ``breakdown`` maps the tracker's categories to bytes at the peak: ``PARAM`` (this rank's
     parameter shards), ``BUFFER``, ``GRAD`` (gradients on parameters), ``ACT`` (activations and the
@@ -94,7 +95,6 @@ def estimate_memory(
         )
     if world_size < 1:
         raise ValueError(f"estimate_memory: world_size must be at least 1, got {world_size}")
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     target = device or default_compute_device(set()).type  # (CUDA when this machine has it)
@@ -118,16 +118,39 @@ def estimate_memory(
                 optim.zero_grad(set_to_none=True)
 
             train_step()
-            gc.collect()
-            tracker = MemTracker()
-            tracker.track_external(model, optim)
-            with tracker:
-                train_step()
-            peak = tracker.get_tracker_snapshot("peak")
+            estimate = measure_memory(model, optim, train_step, device="meta")
     finally:
         forget_world(fake_world)  # (the job's world may be given the same id)
         dist.destroy_process_group()
-    meta = next((cats for dev, cats in peak.items() if torch.device(dev).type == "meta"), {})
-    breakdown = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in meta.items()}
+    return dataclasses.replace(estimate, world_size=world_size)
+
+
+def measure_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    train_step: Callable[[], Any],
+    device: str | torch.device | None = None,
+) -> MemoryEstimate:
+    """The peak of ``train_step()`` (one step of ``model``, run now) on this rank, as torch's
+    ``MemTracker`` splits it, with the model's parameters and gradients and the optimizer's state
+    counted as such (``track_external(model, optimizer)``). Run a step before, so that the optimizer
+    state exists. ``device``: whose memory (default: where the model's first parameter is). In a job,
+    on every rank: each measures its own."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if device is None:
+        device = next(iter(model.parameters())).device
+    kind = torch.device(device).type
+    gc.collect()
+    tracker = MemTracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tracker warns about outputs that hold no tensor)
+        with tracker:
+            train_step()
+    peak = tracker.get_tracker_snapshot("peak")
+    cats = next((c for dev, c in peak.items() if torch.device(dev).type == kind), {})
+    breakdown = {str(k).rsplit(".", 1)[-1]: int(v) for k, v in cats.items()}
     total = breakdown.pop("Total", 0)
-    return MemoryEstimate(world_size, total, breakdown)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return MemoryEstimate(world, total, breakdown)

@@ -66,6 +66,37 @@ def _measured(checkpointed: bool, in_backward: bool) -> int:
     return int(next(c for d, c in peak.items() if torch.device(d).type == "cpu")["Total"])
 
 
+def _measured_by_the_library() -> dict[str, Any]:
+    """fsdp.measure_memory on a real step: the tracker's total and categories, as torch's own."""
+    model = build(True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train_step() -> None:
+        step(model).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    train_step()
+    m = fsdp.measure_memory(model, optim, train_step)
+    return {
+        "peak": m.peak_bytes,
+        "sum": sum(m.breakdown.values()),
+        "world": m.world_size,
+        "opt": m.breakdown["OPT"],
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_measure_memory_gives_the_peak_of_a_real_step_by_category(
+    pool: RankPool, estimates: dict[str, Any]
+) -> None:
+    raw = max(pool.run(_measured, True, False))
+    for r in pool.run(_measured_by_the_library):
+        assert r["world"] == 2 and r["opt"] > 0 and r["sum"] == r["peak"], r  # the categories add up
+        assert abs(r["peak"] - raw) <= 0.02 * raw, (r, raw)
+        assert abs(r["peak"] - estimates["2/True/False"][0]) <= 0.10 * raw, (r, estimates["2/True/False"])
+
+
 _ESTIMATE = """
 import json, sys, torch, fsdp
 from tests.distributed.test_memory_estimate import build, step
