@@ -370,7 +370,7 @@ def reduce_scatter(
 # for gloo's reduce-scatter; 3 to 5% off a training step of the benchmark's GPT. The receive buffers
 # ((N-1)/N of ``full``; at world size 2 the output itself) exist from the launch, so larger groups
 # keep the in-place all-reduce. gloo's point-to-point works never report completion before
-# ``wait()``; see [Note: finishing reductions early] in fsdp/core/handle.py.
+# ``wait()``; see [Note: finishing reductions early] in fsdp/core/handle_grads.py.
 _EXCHANGE_MAX_RANKS = 4
 # gloo matches the sends and receives of one tag between two ranks first-posted to first-posted, and
 # every rank launches its reductions in the same order, so exchanges in flight together on one group

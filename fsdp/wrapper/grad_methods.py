@@ -1,7 +1,7 @@
 """The wrapper's gradient methods, mixed into it: ``no_sync()`` and ``clip_grad_norm_()``.
 
 Both act on the whole tree through the root's context: ``no_sync()`` turns its reductions off while
-gradients accumulate locally (See [Note: no_sync] in fsdp/core/handle.py), ``clip_grad_norm_()`` scales
+gradients accumulate locally (See [Note: no_sync] in fsdp/core/handle_grads.py), ``clip_grad_norm_()`` scales
 every gradient shard by one factor from their global norm.
 """
 
