@@ -41,9 +41,8 @@ def step(model: nn.Module) -> torch.Tensor:
     return model(x, x)[1]  # type: ignore[no-any-return]
 
 
-def _measured(checkpointed: bool, in_backward: bool) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+def _after_a_step(checkpointed: bool, in_backward: bool) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The model and optimizer after one step (its state made), and the step to measure."""
     model = build(checkpointed)
     if in_backward:
         optim: torch.optim.Optimizer = fsdp.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3)
@@ -56,6 +55,14 @@ def _measured(checkpointed: bool, in_backward: bool) -> int:
         optim.zero_grad(set_to_none=True)
 
     train_step()
+    return model, optim, train_step
+
+
+def _measured(checkpointed: bool, in_backward: bool) -> int:
+    """The peak of a step as torch's MemTracker measures it (the reference, not the library's code)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, optim, train_step = _after_a_step(checkpointed, in_backward)
     gc.collect()
     warnings.filterwarnings("ignore", category=UserWarning)
     tracker = MemTracker()
@@ -68,16 +75,7 @@ def _measured(checkpointed: bool, in_backward: bool) -> int:
 
 def _measured_by_the_library() -> dict[str, Any]:
     """fsdp.measure_memory on a real step: the tracker's total and categories, as torch's own."""
-    model = build(True)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def train_step() -> None:
-        step(model).backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    train_step()
-    m = fsdp.measure_memory(model, optim, train_step)
+    m = fsdp.measure_memory(*_after_a_step(True, False))
     return {
         "peak": m.peak_bytes,
         "sum": sum(m.breakdown.values()),
