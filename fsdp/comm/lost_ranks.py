@@ -123,6 +123,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {sorted(ranks)}"
+
+
 def lost_rank_message(group_ranks: Sequence[int], collective: str, launched_in: str, waited_in: str) -> str:
     """What to say when a connection closed while this rank waited for ``collective`` over
     ``group_ranks`` (global ranks): which of them stopped, and where this rank was."""
@@ -156,10 +160,17 @@ def lost_rank_message(group_ranks: Sequence[int], collective: str, launched_in: 
         who = ", ".join(f"rank {r} (process {_processes[r][0]})" for r in stopped)
         head = f"{who} stopped: {'its' if len(stopped) == 1 else 'their'} connection closed"
     elif remote or unknown:
+        where_they_are = []
+        if remote:
+            where_they_are.append(f"{_ranks(remote)} on other hosts, which cannot be looked at from here")
+        if unknown:  # (no handshake with them yet, and no launcher that says where they run)
+            where_they_are.append(
+                f"{_ranks(unknown)} not yet known here (no handshake with this library before this point; "
+                "under torchrun the ranks of this host are known from the start)"
+            )
         head = (
-            f"the connection to one of ranks {sorted(remote + unknown)} closed (the ranks on this host, "
-            f"{sorted([*local, me])}, are running; those ranks run on other hosts and could not be looked at "
-            "from here)"
+            f"the connection to one of ranks {sorted(remote + unknown)} closed (the ranks on this host known "
+            f"here, {sorted([*local, me])}, are running; " + "; ".join(where_they_are) + ")"
         )
     else:  # every peer runs: one of them closed its side (it left the process group, say)
         head = f"a connection to one of ranks {sorted(local)} closed, although every one of them still runs"

@@ -62,9 +62,23 @@ def test_peers_on_other_hosts_are_the_candidates(table: None, monkeypatch: pytes
     note_processes([0, 1, 2, 3], [(os.getpid(), host_code()), (os.getpid(), host_code()), (1, 7), (2, 7)])
     msg = lost_rank_message([0, 1, 2, 3], "a reduce-scatter", "", "the end of backward")
     assert (
-        "the connection to one of ranks [2, 3] closed (the ranks on this host, [0, 1], are running" in msg
+        "the connection to one of ranks [2, 3] closed (the ranks on this host known here, [0, 1], are running; "
+        "ranks [2, 3] on other hosts" in msg
     ), msg
     assert "a reduce-scatter over ranks [0, 1, 2, 3], in the end of backward" in msg, msg
+
+
+def test_peers_not_yet_known_are_not_said_to_run_elsewhere(
+    table: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the first handshake (and not under torchrun) nothing says where a rank runs: the message
+    must not claim another host for it."""
+    monkeypatch.setattr(lost_ranks, "_LOOKS", 0)
+    monkeypatch.setattr(lost_ranks, "_siblings", {})
+    lost_ranks._processes.clear()
+    msg = lost_rank_message([0, 1], "an all-gather", "", "the construction of a wrapper")
+    assert "other hosts" not in msg, msg
+    assert "rank 1 not yet known here (no handshake with this library before this point" in msg, msg
 
 
 def test_only_a_closed_connection_is_a_lost_peer() -> None:
