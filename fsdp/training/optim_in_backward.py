@@ -44,7 +44,7 @@ from torch import nn
 from fsdp.core.handle import FlatParamHandle
 from fsdp.wrapper.base import WrapperBase
 
-__all__ = ["OptimizerInBackward", "in_backward_handles", "optimizer_in_backward"]
+__all__ = ["OptimizerInBackward", "any_optimizer_in_backward", "optimizer_in_backward"]
 
 # every live optimizer stepping in backward (ShardedGradScaler and clip_grad_norm_ refuse to run beside one)
 _LIVE: weakref.WeakSet[OptimizerInBackward] = weakref.WeakSet()
@@ -57,6 +57,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     _inner: dict[nn.Parameter, torch.optim.Optimizer]  # one per parameter, over that parameter alone
     _group_of: dict[nn.Parameter, int]  # parameter -> index of its group in param_groups
     _handles: list[FlatParamHandle]  # the handles hooked (on_reduced)
+    _constructed: bool  # past the constructor: a further add_param_group() is refused
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
     ) -> None:
+        self._constructed = False  # (torch's constructor adds the one group through add_param_group)
         params = list(params)
         if not params:
             raise ValueError("optimizer_in_backward: the model has no parameters to optimize")
@@ -74,6 +76,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._optimizer_class = optimizer_class
         self._group_of = {p: 0 for p in params}
         self._handles = handles
+        self._constructed = True
         for h in handles:
             h.on_reduced = self._on_reduced
         _LIVE.add(self)
@@ -112,7 +115,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "_group_of"):  # (the constructor's own group is added before)
+        if self._constructed:
             raise RuntimeError(
                 "optimizer_in_backward: add_param_group() is not supported; call optimizer_in_backward again "
                 "for the new parameters' model, or use a usual optimizer"
@@ -127,7 +130,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         _LIVE.discard(self)
 
 
-def in_backward_handles() -> bool:
+def any_optimizer_in_backward() -> bool:
     """Whether an optimizer that steps in backward is alive in this process."""
     return len(_LIVE) > 0
 

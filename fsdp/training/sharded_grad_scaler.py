@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdp.comm.collectives import all_reduce
 from fsdp.comm.consistency import SCALER_CHECK, agree_on_entry
 from fsdp.common.device import default_compute_device
-from fsdp.training.optim_in_backward import in_backward_handles
+from fsdp.training.optim_in_backward import any_optimizer_in_backward
 
 __all__ = ["ShardedGradScaler"]
 
@@ -55,7 +55,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         """``torch.amp.GradScaler.scale``; refused beside an optimizer that steps in backward."""
-        if self.is_enabled() and in_backward_handles():
+        if self.is_enabled() and any_optimizer_in_backward():
             raise RuntimeError(
                 "ShardedGradScaler with fsdp.optimizer_in_backward: the step runs inside backward, on the "
                 "scaled gradients and before the check for inf/nan that would skip it. Use bf16 (no loss "
