@@ -14,7 +14,8 @@ plain optimizer's numbering, so the dict also loads into one), not fairscale's w
 numbering (:func:`fairscale_order`), but every flat parameter's parameters come in its layout order
 there, and ``"param_id_map"`` lists them flat parameter by flat parameter, so both readings agree.
 fairscale stores ``"step"`` as a number (its reader would shard a 0-dim tensor); torch's
-optimizers turn it back into a tensor when they load.
+optimizers turn it back into a tensor when they load. Its reader turns the dict it is given into
+the shard it returns (:func:`become_shard_`), so the full state is not held twice.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from fsdp.core.layout import Layout
 
-__all__ = ["fairscale_order", "one_rank_singletons", "to_fairscale_form"]
+__all__ = ["become_shard_", "fairscale_order", "one_rank_singletons", "to_fairscale_form"]
 
 
 def to_fairscale_form(
@@ -65,3 +66,15 @@ def one_rank_singletons(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
         ):
             out[key] = value[rank] if rank < len(value) else value[0]
     return out
+
+
+def become_shard_(full: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    """Make ``full`` (a gathered state dict) the shard read from it, in place, and return it, as
+    fairscale's ``get_shard_from_optim_state_dict`` does: afterwards ``full`` holds the shard's
+    keys only (``"state"`` and ``"param_groups"`` this rank's, fairscale's and our extra keys
+    gone, other top-level entries kept), so the caller's full state can be freed. Only the
+    top-level entries are replaced; the dicts and tensors inside the old ones are left as they were
+    (they may be a live optimizer's)."""
+    full.clear()
+    full.update(shard)
+    return full

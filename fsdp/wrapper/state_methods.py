@@ -21,7 +21,7 @@ from fsdp.api import StateDictSettings, StateDictType, TrainingState, from_torch
 from fsdp.comm.consistency import collective
 from fsdp.core.wrapper_protocol import WrapperMixin
 from fsdp.state import local as state_local
-from fsdp.state import optim_sharded
+from fsdp.state import optim_fairscale, optim_sharded
 from fsdp.state import optim_state as optim_impl
 from fsdp.state import state_dict as sd_impl
 
@@ -369,8 +369,10 @@ class StateDictMethods(WrapperMixin):
     ) -> dict[str, Any]:
         """This rank's part of a full optimizer state dict (from any world size), for ``optim.load_state_dict``.
         Pass ``optim`` when its param groups list the flat parameters in another order than
-        ``model.parameters()``. The argument is not modified."""
-        return optim_impl.get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
+        ``model.parameters()``. As in fairscale, the argument becomes the shard and is returned: its
+        full state is dropped from it (the tensors inside are not changed); pass a copy to keep it."""
+        shard = optim_impl.get_shard_from_optim_state_dict(self._state_layout(), full_optim_state_dict, optim)
+        return optim_fairscale.become_shard_(full_optim_state_dict, shard)
 
     @collective("sharded_optim_state_dict()")
     def sharded_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:

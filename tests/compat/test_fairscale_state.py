@@ -389,31 +389,42 @@ def _gather_for_fairscale(optimizer: str) -> dict[str, Any]:
     dist.broadcast_object_list(box, src=0)
     theirs = _stack(_fairscale_wrapper)  # the same wrap plan, built by fairscale on this CPU rank
     assert isinstance(theirs, FairscaleFSDP)
-    shard = theirs.get_shard_from_optim_state_dict(copy.deepcopy(box[0]))
+    given_to_fairscale = copy.deepcopy(box[0])
+    shard = theirs.get_shard_from_optim_state_dict(given_to_fairscale)
     fs_opt = OPTIMIZERS[optimizer](theirs.parameters())
     fs_opt.load_state_dict(shard)  # and a torch optimizer over fairscale's flat parameters takes it
-    kept = copy.deepcopy(box[0])
+    saved = copy.deepcopy(box[0])
+    full_state = box[0]["state"]
     ours_back = model.get_shard_from_optim_state_dict(box[0])
     return {
         "world": world,
-        "keys": sorted(box[0]),
-        "param_id_map": box[0]["param_id_map"],
-        "names": box[0]["param_names"],
-        "uncollected": box[0]["uncollected_local_ids"],
+        "keys": sorted(saved),
+        "param_id_map": saved["param_id_map"],
+        "names": saved["param_names"],
+        "uncollected": saved["uncollected_local_ids"],
         "fairscale_reads_it": _same_local_state(shard["state"], _local_state(opt)),
         "fairscale_groups": [g["params"] for g in shard["param_groups"]],
         "loaded": _same_local_state(_local_state(fs_opt), _local_state(opt)),
         "ours_reads_it": _same_local_state(ours_back["state"], _local_state(opt)),
         "full_is_none_elsewhere": full is None if rank else full is not None,
-        "unchanged": _same_local_state(box[0]["state"], kept["state"])
-        == [],  # (fairscale's: no side effects)
+        # fairscale's reader turns its argument into the shard it returns (the full state is
+        # dropped from it, the dicts inside it are left as they were; it keeps the keys it does not
+        # know, our "param_names"); ours does the same, and drops "param_names" too, so that the shard
+        # has the keys of the optimizer's own state dict, as fairscale's test asserts
+        "fairscale_consumes": shard is given_to_fairscale
+        and sorted(shard) == ["param_groups", "param_names", "state"],
+        "ours_consumes": ours_back is box[0] and sorted(box[0]) == sorted(opt.state_dict()),
+        "inner_unchanged": _same_local_state(full_state, saved["state"]) == [],
     }
 
 
 @pytest.mark.parametrize(("pool", "optimizer"), [(2, "sgd"), (2, "adadelta"), (3, "adam")], indirect=["pool"])
 def test_gathered_optimizer_state_is_read_by_fairscales_get_shard(pool: RankPool, optimizer: str) -> None:
     for r in pool.run(_gather_for_fairscale, optimizer):
-        assert r["full_is_none_elsewhere"] and r["unchanged"]
+        assert r["full_is_none_elsewhere"] and r["inner_unchanged"]
+        assert r["fairscale_consumes"] and r["ours_consumes"], (
+            "the argument becomes the shard, as in fairscale"
+        )
         assert {"param_id_map", "uncollected_local_ids", "param_names", "state", "param_groups"} <= set(
             r["keys"]
         )
@@ -461,6 +472,7 @@ def _gather_experts() -> dict[str, Any]:
     net.expert = _fairscale_wrapper(net.expert, process_group=groups[rank])
     theirs = _fairscale_wrapper(net)
     shard = theirs.get_shard_from_optim_state_dict(copy.deepcopy(box[0]))
+    saved = {k: box[0][k] for k in ("uncollected_local_ids", "param_id_map")}  # (the reader consumes box[0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = model.get_shard_from_optim_state_dict(box[0])
@@ -472,8 +484,8 @@ def _gather_experts() -> dict[str, Any]:
     return {
         "flags_before": flags_before,
         "flags": flags,
-        "uncollected": box[0]["uncollected_local_ids"],
-        "param_id_map": box[0]["param_id_map"],
+        "uncollected": saved["uncollected_local_ids"],
+        "param_id_map": saved["param_id_map"],
         # the root's flat parameter (local id 0) is gathered; the expert's (1) is rank 0's own
         "fairscale_shared": _same_local_state({0: shard["state"][0]}, {0: mine[0]}),
         "fairscale_expert_is_rank0s": _same_local_state({1: shard["state"][1]}, {1: owners[0][1]}),
@@ -724,6 +736,7 @@ def _tied_state_forms(tmp: str) -> dict[str, Any]:
     _, again = _lm("inner", flatten_parameters=False)
     again.load_local_state_dict(local)
     again_opt = torch.optim.Adam(again.parameters(), lr=0.1)
+    optim_names = box[0]["param_names"]  # (before the reader consumes box[0], as fairscale's does)
     again_opt.load_state_dict(again.get_shard_from_optim_state_dict(box[0]))
 
     def same(sd: dict[str, torch.Tensor]) -> bool:
@@ -745,7 +758,7 @@ def _tied_state_forms(tmp: str) -> dict[str, Any]:
         "consolidated": same(consolidated),
         "checkpoint": same(fresh.state_dict()),
         "local": same(again.state_dict()),
-        "optim_names": box[0]["param_names"],
+        "optim_names": optim_names,
         "optim": _same_local_state(_local_state(again_opt), _local_state(opt)) == [],
         "checkpoint_optim": _same_local_state(_local_state(fresh_opt), _local_state(opt)) == [],
         "misuse": misuse,
