@@ -369,8 +369,8 @@ def wrap_children_with_policy(
     """The constructor's ``auto_wrap_policy``: wrap what ``policy`` picks under ``module`` with the
     constructor's other ``options`` (torch's rule); torch's ``CustomPolicy`` may override options per
     module. Under a ``MixedPrecision``, the modules of its ``_module_classes_to_ignore`` (batch norm)
-    are wrapped first, in full precision, and run in fp32 between casts of their inputs and outputs,
-    as torch FSDP does. Nothing inside ``ignored`` is wrapped; each wrapper built ignores the part of
+    are wrapped first, in full precision (with the other arguments a ``CustomPolicy`` gives them), and
+    run in fp32 between casts of their inputs and outputs, as torch FSDP does. Nothing inside ``ignored`` is wrapped; each wrapper built ignores the part of
     ``ignored`` inside it."""
     targets = _policy_targets(module, policy, ignored)
     if targets is None and not callable(policy):  # before anything is wrapped
@@ -391,12 +391,17 @@ def wrap_children_with_policy(
             UserWarning,
             stacklevel=3,
         )
-        fp32_options = {**options, "mixed_precision": None}
+        # a CustomPolicy's own arguments for such a module apply too, in full precision (torch's rule)
+        overrides = targets or {}
         wrap_children(
             module,
             transformer_auto_wrap_policy(set(classes)),
             wrapper_cls,
-            lambda m: _built_by_policy(wrapper_cls, m, _options_inside(fp32_options, ignored, m)),
+            lambda m: _built_by_policy(
+                wrapper_cls,
+                m,
+                _options_inside({**options, **overrides.get(m, {}), "mixed_precision": None}, ignored, m),
+            ),
             ignored,
         )
         for m in full_precision:

@@ -234,3 +234,74 @@ def test_main_wrap_api_wraps_every_module_with_its_options(pool: RankPool, case:
         ]
         assert attrs and all(all(a) for a in attrs), attrs
         assert diff < 1e-5, diff
+
+
+class _StandIn:
+    """A process group stand-in of two ranks (torch's ``DummyProcessGroup(rank=0, size=2)``): sharded
+    wrappers are built for rank 0 without communicating."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+class _EncoderDecoder(nn.Module):
+    """Two kinds of layer and a batch norm, as in torch's ``TransformerWithSharedParams``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(Block(), Block())
+        self.decoder = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.bn = nn.BatchNorm1d(4)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_custom_policy_arguments_reach_the_full_precision_units(
+    single_rank_group: None, uniform: bool
+) -> None:
+    """torch's ``test_custom_policy``: under the root's fp16 ``MixedPrecision``, the batch norm gets a
+    full-precision unit of its own, and the arguments the policy returns for it (``NO_SHARD``) apply
+    there too (they were dropped: it came out ``FULL_SHARD``); the other layers get theirs."""
+    model = _EncoderDecoder()
+    decoder_layers = set(model.decoder)
+
+    def pick(m: nn.Module) -> bool | dict[str, Any]:
+        if m is model.bn:
+            return True if uniform else {"sharding_strategy": torch_fsdp.ShardingStrategy.NO_SHARD}
+        if isinstance(m, Block):
+            return True
+        if m in decoder_layers and not uniform:
+            return {
+                "sharding_strategy": torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+                "backward_prefetch": torch_fsdp.BackwardPrefetch.BACKWARD_POST,
+            }
+        return m in decoder_layers
+
+    fp16 = torch_fsdp.MixedPrecision(param_dtype=torch.float16)
+    wrapped = FSDP(model, process_group=_StandIn(), auto_wrap_policy=CustomPolicy(pick), mixed_precision=fp16)
+    strategy, prefetch = torch_fsdp.ShardingStrategy, torch_fsdp.BackwardPrefetch
+    expected = {
+        "": (strategy.FULL_SHARD, prefetch.BACKWARD_PRE, fp16),
+        "bn": (
+            strategy.FULL_SHARD if uniform else strategy.NO_SHARD,
+            prefetch.BACKWARD_PRE,
+            torch_fsdp.MixedPrecision(),
+        ),
+        **{f"encoder.{i}": (strategy.FULL_SHARD, prefetch.BACKWARD_PRE, fp16) for i in range(2)},
+        **{
+            f"decoder.{i}": (
+                (strategy.FULL_SHARD, prefetch.BACKWARD_PRE)
+                if uniform
+                else (strategy.SHARD_GRAD_OP, prefetch.BACKWARD_POST)
+            )
+            + (fp16,)
+            for i in range(2)
+        },
+    }
+    found = {
+        path: (w.sharding_strategy, w.backward_prefetch, w.mixed_precision)
+        for path, w in zip(_wrapped(wrapped), FSDP.fsdp_modules(wrapped))
+    }
+    assert found == expected
