@@ -185,9 +185,9 @@ def resolve_ignored(
     managed, the rest of it is ignored). A wrapper, and ``module`` itself, cannot be ignored. What
     an inner wrapper already ignores may be given again."""
     if ignored_modules is not None and ignored_states is not None:
-        raise ValueError(
-            "FullyShardedDataParallel: pass either ignored_modules or ignored_states, not both (ignored_states "
-            "takes modules too)"
+        raise ValueError(  # (torch's first sentence, which its tests match)
+            "FullyShardedDataParallel: Cannot pass both ignored_modules and ignored_states at the same time; pass "
+            "either ignored_modules or ignored_states, not both (ignored_states takes modules too)"
         )
     arg = "ignored_states" if ignored_states is not None else "ignored_modules"
     given = ignored_states if ignored_states is not None else ignored_modules
@@ -199,17 +199,23 @@ def resolve_ignored(
         items = list(given)
     except TypeError:
         raise TypeError(
-            f"FullyShardedDataParallel: `{arg}` must be an iterable (a list) of nn.Module"
-            f"{'s or of nn.Parameters' if arg == 'ignored_states' else 's'}, got {type(given).__name__}"
+            f"FullyShardedDataParallel: `{arg}` should be an iterable of `torch.nn.Module`s"
+            f"{' or of nn.Parameters' if arg == 'ignored_states' else ''} but got {type(given)}; pass a list"
         ) from None
     are_modules = all(isinstance(x, nn.Module) for x in items)
     are_params = arg == "ignored_states" and all(isinstance(x, nn.Parameter) for x in items)
     if not (are_modules or are_params):
-        kinds = sorted({type(x).__name__ for x in items})
+        kinds = sorted(
+            {type(x) for x in items}, key=repr
+        )  # (torch's wording and order, which its tests match)
+        if arg == "ignored_states":
+            raise ValueError(
+                "FullyShardedDataParallel: ignored_states expects all nn.Parameter or all nn.Module list elements "
+                f"but got types {kinds}; pass all nn.Parameters or all nn.Modules"
+            )
         raise ValueError(
-            f"FullyShardedDataParallel: `{arg}` must hold "
-            + ("all nn.Parameters or all nn.Modules" if arg == "ignored_states" else "nn.Modules")
-            + f", got {kinds}"
+            f"FullyShardedDataParallel: ignored_modules expects nn.Module list elements but got types {kinds}; "
+            "pass nn.Modules there (parameters go in ignored_states)"
         )
     if not items:
         return NOTHING_IGNORED
@@ -251,10 +257,11 @@ def _ignored_by_inner(
     """Check one ignored module; True when an inner wrapper already ignores it (nothing left to do)."""
     name = f"{type(root).__name__}"
     if root is module:  # (torch's reading: warned, and every parameter of the module is left alone)
-        warnings.warn(
-            f"FullyShardedDataParallel: `{arg}` holds the wrapped module itself ({name}): none of its parameters "
-            "is sharded, and the wrapper only passes calls through. Do not wrap the module, or ignore only some "
-            "of its submodules",
+        warnings.warn(  # (torch's first sentence, which its tests match)
+            "FullyShardedDataParallel: Trying to ignore the top-level module passed into the FSDP constructor "
+            f"itself will result in all parameters being ignored: `{arg}` holds the wrapped module itself ({name}), "
+            "none of its parameters is sharded and the wrapper only passes calls through. Do not wrap the module, "
+            "or ignore only some of its submodules",
             UserWarning,
             stacklevel=6,  # (the user's call of the constructor)
         )
@@ -262,8 +269,9 @@ def _ignored_by_inner(
     path, above = where.get(id(root), ("<outside the wrapped module>", None))
     if is_wrapper(root):
         raise ValueError(
-            f"FullyShardedDataParallel: `{arg}` holds the FullyShardedDataParallel at {path!r}; a wrapper cannot be "
-            "ignored. Pass the module before wrapping it (and do not wrap it), or leave it out"
+            f"FullyShardedDataParallel: `{arg}` should not include FSDP modules, but holds the "
+            f"FullyShardedDataParallel at {path!r}; a wrapper cannot be ignored. Pass the module before wrapping it "
+            "(and do not wrap it), or leave it out"
         )
     if above is None:
         return False

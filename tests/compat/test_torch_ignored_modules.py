@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any
 
 import pytest
@@ -189,9 +190,20 @@ def _errors() -> dict[str, str]:
     return out
 
 
+# the patterns torch's test_ignored_states_check matches (its own wording, in its type order)
+_TORCH_PATTERNS = {
+    "parameters_as_modules": r"ignored_modules expects nn.Module list elements but got types "
+    r"\[<class 'torch.nn.parameter.Parameter'>\]",
+    "both": "Cannot pass both ignored_modules and ignored_states at the same time",
+    "mixed": r"ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
+    r"\[<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.parameter.Parameter'>\]",
+}
+
+
 @pytest.mark.parametrize("pool", [2], indirect=True)
 def test_what_stays_refused(pool: RankPool) -> None:
-    """A wrapper cannot be ignored (as torch); wrong types and both arguments (as torch)."""
+    """A wrapper cannot be ignored (as torch); wrong types and both arguments (as torch, in words its
+    tests match, followed by what to do)."""
     for r in pool.run(_errors):
         assert r["a_wrapper"].startswith("ValueError") and "a wrapper cannot be ignored" in r["a_wrapper"]
         assert (
@@ -199,6 +211,8 @@ def test_what_stays_refused(pool: RankPool) -> None:
         )
         assert r["both"].startswith("ValueError") and "not both" in r["both"]
         assert r["mixed"].startswith("ValueError") and "all nn.Parameters or all nn.Modules" in r["mixed"]
+        for name, pattern in _TORCH_PATTERNS.items():
+            assert re.search(pattern, r[name]), (name, r[name])
 
 
 def _different_per_rank(by: str) -> str:
@@ -227,6 +241,12 @@ def test_ranks_that_build_different_models_fail_together(pool: RankPool, by: str
         assert "7 parameters" in message and "8 parameters" in message, message
 
 
+_TORCH_ROOT_IGNORED = (  # what torch's test_ignored_modules_invalid matches
+    "Trying to ignore the top-level module passed into the FSDP constructor itself will result in all "
+    "parameters being ignored"
+)
+
+
 def _the_wrapped_module_itself() -> dict[str, Any]:
     """torch's ``test_ignored_modules_invalid`` and the state-dict tests' ``ignore_inner``: a wrapper
     told to ignore the module it wraps warns and leaves every parameter alone; nested in an outer
@@ -245,7 +265,12 @@ def _the_wrapped_module_itself() -> dict[str, Any]:
     same_output = torch.equal(wrapped(data), ref(data))
     sd, plain = wrapped.state_dict(), ref.state_dict()
     return {
-        "warned": any("wrapped module itself" in str(w.message) for w in caught),
+        "warned": any(
+            "wrapped module itself" in str(w.message)
+            and re.search(_TORCH_ROOT_IGNORED, str(w.message))
+            and w.category is UserWarning
+            for w in caught
+        ),
         "inner_manages": _managed(inner),
         "left_alone": all(p is q for p, q in zip(inner.parameters(), inner.module.parameters(), strict=True))
         and sum(1 for _ in inner.parameters()) == 6,
