@@ -8,7 +8,7 @@ writes, and the full form, are ``optim_state.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from fsdp.state.optim_state import (
     _hyper,
     _plain_order,
     _slots,
+    refuse_partial_state,
 )
 
 __all__ = [
@@ -169,9 +170,12 @@ class OptimLoadPlan:
     def __init__(self) -> None:
         self.groups: list[list[Item]] = []
         self.param_groups: list[dict[str, Any]] = []  # hyperparameters per local group
+        self.grouped = True  # whether the saved dict has "param_groups" (else the optimizer's are kept)
         self.entries: dict[str, Mapping[str, Any]] = {}  # parameter name -> its saved state
+        self.unsaved: set[int] = set()  # id(item) of unmanaged parameters the dict does not list
         self.elementwise: set[str] = set()
         self.errors: list[str] = []
+        self.refusal: str | None = None  # torch's ValueError for state made up (also in errors)
         self.digest = ""
 
 
@@ -185,8 +189,9 @@ def check_sharded_optim_state_dict(
     except ValueError as e:
         plan.errors.append(str(e))
         return plan
-    saved_groups = state.get("param_groups") or []
     saved_state = state.get("state") or {}
+    plan.grouped = "param_groups" in state
+    saved_groups = (state.get("param_groups") or []) if plan.grouped else [{} for _ in plan.groups]
     if len(saved_groups) != len(plan.groups):
         plan.errors.append(
             f"the checkpoint's optimizer has {len(saved_groups)} param group(s), this one {len(plan.groups)}; "
@@ -202,13 +207,25 @@ def check_sharded_optim_state_dict(
                 f"param group {g} of the optimizer holds parameters of saved group(s) {sorted(saved)}; build the "
                 "optimizer with the same groups, in the same order"
             )
-        plan.param_groups.append(_hyper(saved_groups[g]))
+        plan.param_groups.append(_hyper(saved_groups[g] if plan.grouped else optim.param_groups[g]))
     for name, entry in saved_state.items():
         slot = slot_of.get(name)
         if slot is None:
             plan.errors.append(f"optimizer state of {name!r}, which is not a parameter of this model")
             continue
         plan.entries[slot.name] = entry
+    # parameters the saved state does not know: see the docstring of fsdp/state/optim_state.py
+    listed = {slot_of[n].name for n in (group_of_name if plan.grouped else saved_state) if n in slot_of}
+    for h in (h for handles in plan.groups for h in handles):
+        absent = [s.name for s in _slots(layout, h) if s.name not in listed]
+        if isinstance(h, IgnoredSlot) and absent:
+            plan.unsaved.add(id(h))
+        elif absent:
+            present = [plan.entries[s.name] for s in _slots(layout, h) if s.name in plan.entries]
+            refusal = refuse_partial_state(absent, present) if present else None
+            if refusal and plan.refusal is None:
+                plan.refusal = refusal
+                plan.errors.append(refusal)
     plan.elementwise = _elementwise_keys(plan.entries)
     kinds: list[Any] = []
     for handles in plan.groups:
@@ -231,11 +248,27 @@ def check_sharded_optim_state_dict(
     return plan
 
 
-def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer, plan: OptimLoadPlan) -> None:
-    """Load a checked plan into ``optim``. Collective; every rank must have agreed on the plan."""
+def apply_sharded_optim_state_dict(
+    layout: Layout,
+    optim: torch.optim.Optimizer,
+    plan: OptimLoadPlan,
+    rekey: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Load a checked plan into ``optim``. Collective; every rank must have agreed on the plan.
+
+    Returns what was loaded, in torch FSDP1's form (what ``optim.load_state_dict`` takes): unmanaged
+    parameters the plan does not know are left out of its groups (``optim`` keeps their state; see
+    the docstring of fsdp/state/optim_state.py), and it has no
+    ``"param_groups"`` where the saved dict had none. ``rekey`` turns the dict into what ``optim``
+    takes (a named optimizer's keys) before it is loaded and returned."""
     loaded: dict[int, dict[str, Any]] = {}  # id(item) -> its state, built in the model's order (collective)
     for handles in plan.groups:
         for h in _canonical(layout, handles):
+            if id(h) in plan.unsaved:
+                assert isinstance(h, IgnoredSlot)
+                if optim.state.get(h.param):  # kept as it is
+                    loaded[id(h)] = {k: _copy(v) for k, v in optim.state[h.param].items()}
+                continue
             if isinstance(h, IgnoredSlot):
                 entry = plan.entries.get(h.name)
                 if entry:
@@ -250,17 +283,19 @@ def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer,
                 flat: dict[str, Any] = {}
                 for key in keys:
                     values = [e.get(key) if e is not None else None for e in entries]
-                    if key in plan.elementwise:
-                        sample = next(v for v in values if v is not None)
+                    sample = next((v for v in values if v is not None), None)
+                    if sample is None:  # None for every parameter of it
+                        flat[key] = None
+                    elif key in plan.elementwise:
                         shard = torch.zeros(h.spec.chunk, dtype=sample.dtype, device=h.flat_param.device)
                         for lo, hi, data in shard_writes(h, values, layout, sample.dtype):
                             shard[lo:hi].copy_(data)
                         flat[key] = shard
                     else:
-                        flat[key] = _copy(next(v for v in values if v is not None))
+                        flat[key] = _copy(sample)
                 loaded[id(h)] = flat
     state: dict[int, dict[str, Any]] = {}
-    param_groups = []
+    param_groups, returned_groups = [], []
     next_id = 0
     for g, handles in enumerate(plan.groups):  # ids in this rank's optimizer's own order
         group = dict(plan.param_groups[g])
@@ -273,21 +308,45 @@ def apply_sharded_optim_state_dict(layout: Layout, optim: torch.optim.Optimizer,
         if "param_names" in optim.param_groups[g]:
             group["param_names"] = list(optim.param_groups[g]["param_names"])
         param_groups.append(group)
-    optim.load_state_dict({"state": state, "param_groups": param_groups})
+        unsaved = {i for i, h in zip(group["params"], handles, strict=True) if id(h) in plan.unsaved}
+        returned_groups.append({**group, "params": [i for i in group["params"] if i not in unsaved]})
+    unsaved_ids = {
+        i
+        for g, r in zip(param_groups, returned_groups, strict=True)
+        for i in g["params"]
+        if i not in r["params"]
+    }
+    to_load = {"state": state, "param_groups": param_groups}
+    returned: dict[str, Any] = {"state": {i: v for i, v in state.items() if i not in unsaved_ids}}
+    if plan.grouped:
+        returned["param_groups"] = returned_groups
+    if rekey is not None:
+        to_load, returned = rekey(to_load), rekey(returned)
+    optim.load_state_dict(to_load)
+    return returned
 
 
 def load_sharded_optim_state_dict(
-    layout: Layout, optim: torch.optim.Optimizer, state: Mapping[str, Any]
-) -> None:
+    layout: Layout,
+    optim: torch.optim.Optimizer,
+    state: Mapping[str, Any],
+    rekey: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Load what :func:`sharded_optim_state_dict` produced (at any world size, filled by DCP). Collective.
 
-    The ranks agree that the state matches the optimizer before anything is written.
+    The ranks agree that the state matches the optimizer before anything is written. Returns what
+    was loaded, in torch's form (see :func:`apply_sharded_optim_state_dict`).
     """
     plan = check_sharded_optim_state_dict(layout, optim, state)
-    agree(
-        layout,
-        "\n  ".join(plan.errors) or None,
-        "load_sharded_optim_state_dict (nothing was loaded)",
-        plan.digest,
-    )
-    apply_sharded_optim_state_dict(layout, optim, plan)
+    try:
+        agree(
+            layout,
+            "\n  ".join(plan.errors) or None,
+            "load_sharded_optim_state_dict (nothing was loaded)",
+            plan.digest,
+        )
+    except RuntimeError as e:
+        if plan.refusal is not None and plan.errors == [plan.refusal]:  # torch's ValueError, in its words
+            raise ValueError(f"{plan.refusal} (load_sharded_optim_state_dict: nothing was loaded)") from e
+        raise
+    return apply_sharded_optim_state_dict(layout, optim, plan, rekey)

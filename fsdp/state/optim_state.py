@@ -24,6 +24,14 @@ other parameters that have the same key).
 Ignored parameters (``ignored_modules``, see [Note: ignored modules] in ``fsdp/core/flat_param.py``) are
 plain parameters of the optimizer: their state is kept as it is on each rank, in every form, as
 torch FSDP1 does (the full form holds the recipient's own, the sharded form plain tensors).
+
+Parameters the saved state does not know (the loading model and optimizer have them, the saved dict
+does not list them; torch FSDP1's ``test_shard_full_optim_state_dict_unmanaged_params``): one that
+no wrapper manages (a plain root's own, an ignored one) is left out of the loaded groups, its id
+skipped, so that its state can come from elsewhere (model parallelism), as torch does; a sharded
+load into the optimizer keeps its current state. One flattened with parameters whose state the
+saved dict holds gets zeros for their per-element state, but no scalar or other state can be made
+up for it: :func:`refuse_partial_state` refuses that, in torch's words.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from fsdp.state.optim_fairscale import fairscale_order, one_rank_singletons, to_
 __all__ = [
     "gather_full_optim_state_dict",
     "get_shard_from_optim_state_dict",
+    "refuse_partial_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -309,8 +318,10 @@ def _combine(
         )
     for key in keys:
         values = [e.get(key) if e is not None else None for e in entries]
-        sample = next(v for v in values if v is not None)
-        if key in elementwise:
+        sample = next((v for v in values if v is not None), None)
+        if sample is None:  # None for every parameter (torch's SGD without momentum, a user's entry)
+            out[key] = None
+        elif key in elementwise:
             parts = []
             for slot, value in zip(slots, values, strict=True):
                 if value is None:
@@ -377,11 +388,26 @@ def get_shard_from_optim_state_dict(
     a plain optimizer's state dict over the unwrapped model with one param group (ids then follow
     the model's trainable parameters in ``named_parameters()`` order). ``full`` is not modified.
     The flat parameters are listed group by group in ``optim``'s order if it is given, else in
-    ``model.parameters()`` order.
+    ``model.parameters()`` order. A name-keyed ``full`` without ``"param_groups"`` (torch's
+    ``optim_state_dict`` of such a dict) is placed in ``optim``'s groups, and the result has none.
+
+    Parameters that ``full`` does not list are handled as the module docstring says (parameters
+    the saved state does not know).
     """
     where = "get_shard_from_optim_state_dict"
-    saved_groups = full["param_groups"]
     saved_state = full["state"]
+    grouped = "param_groups" in full
+    if grouped:
+        saved_groups = full["param_groups"]
+    elif optim is not None and all(isinstance(k, str) for k in saved_state):
+        saved_groups = [
+            {"params": [s.name for h in hs for s in _slots(layout, h)]} for hs in _groups_of(layout, optim)
+        ]
+    else:
+        raise ValueError(
+            f"{where}: the state dict has no 'param_groups'; pass one that has them, or (for a state dict keyed by "
+            "parameter name) the optimizer to place its parameters in"
+        )
     names = full.get("param_names")
     all_ids = [i for group in saved_groups for i in group["params"]]
     fairscale = names is None and "param_id_map" in full
@@ -451,11 +477,15 @@ def get_shard_from_optim_state_dict(
     for h in covered:
         absent = [s.name for s in _slots(layout, h) if s.name not in listed]
         if absent and len(absent) < len(_slots(layout, h)):
-            raise ValueError(f"{where}: parameter(s) {absent} are missing from the saved param groups")
+            present = [per_name[s.name] for s in _slots(layout, h) if s.name in per_name]
+            refusal = refuse_partial_state(absent, present)
+            if refusal:
+                raise ValueError(f"{refusal} ({where})")
     if optim is not None:
         groups = _groups_of(layout, optim)
         if len(groups) != len(saved_groups) or any(
-            {id(h) for h in handles} != {id(h) for h in covered if group_of[id(h)] == g}
+            {id(h) for h in handles if id(h) in group_of or not isinstance(h, IgnoredSlot)}
+            != {id(h) for h in covered if group_of[id(h)] == g}
             for g, handles in enumerate(groups)
         ):
             raise ValueError(
@@ -472,6 +502,9 @@ def get_shard_from_optim_state_dict(
         group = _hyper(saved_groups[g])
         group["params"] = []
         for h in handles:
+            if isinstance(h, IgnoredSlot) and id(h) not in group_of:  # not saved: left out, its id skipped
+                next_id += 1
+                continue
             if isinstance(h, IgnoredSlot):  # kept as saved
                 entry = per_name.get(h.name)
                 if entry:
@@ -483,7 +516,7 @@ def get_shard_from_optim_state_dict(
             entries = [per_name.get(s.name) for s in slots]
             if any(e is not None for e in entries):
                 flat = _combine(h, slots, entries, elementwise)
-                for key in elementwise & flat.keys():
+                for key in (k for k in elementwise & flat.keys() if flat[k] is not None):
                     padded = torch.zeros(h.spec.padded_numel, dtype=flat[key].dtype)
                     padded[: h.meta.numel] = flat[key]
                     flat[key] = padded[h.spec.start : h.spec.end].clone()
@@ -495,4 +528,22 @@ def get_shard_from_optim_state_dict(
         local_groups.append(group)
     skip = ("state", "param_groups", "param_names", "param_id_map", "uncollected_local_ids")
     extras = {k: copy.deepcopy(v) for k, v in full.items() if k not in skip}
+    if not grouped:
+        return {**extras, "state": state}
     return {**extras, "state": state, "param_groups": local_groups}
+
+
+def refuse_partial_state(absent: Sequence[str], present: Sequence[Mapping[str, Any]]) -> str | None:
+    """The refusal for parameters ``absent`` from the saved state, flattened with parameters whose
+    saved entries are ``present``, or None when those hold per-element state only."""
+    scalar = sorted(
+        {k for e in present for k, v in e.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+    )
+    if not scalar:
+        return None
+    return (
+        "All unflattened parameters comprising a single flat parameter must have scalar state with the same "
+        f"value and dtype: parameter(s) {list(absent)} have no entry in the saved optimizer state, but are "
+        f"flattened with parameters whose state holds {scalar}. Load a state saved from a model with the same "
+        "parameters, or add their entries to the saved state"
+    )

@@ -30,7 +30,7 @@ from fsdp.api import BackwardPrefetch, StateDictSettings, StateDictType
 from fsdp.comm.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.core.layout import Layout, describe
 from fsdp.core.wrapper_protocol import Wrapper, WrapperMixin
-from fsdp.state import optim_sharded
+from fsdp.state import optim_given, optim_sharded
 from fsdp.state import optim_state as optim_impl
 from fsdp.wrapper.state_methods import StateDictMethods
 from fsdp.wrapper.summon_methods import SummonMethods
@@ -145,21 +145,6 @@ def _full_named(layout: Layout, optim: torch.optim.Optimizer, rank0_only: bool) 
         g.pop("param_names", None)
     extras = {k: v for k, v in full.items() if k not in ("state", "param_groups", "param_names")}
     return {**extras, "state": {names[i]: v for i, v in full["state"].items()}, "param_groups": groups}
-
-
-def _same_state_dict(given: Mapping[str, Any], own: Mapping[str, Any]) -> bool:
-    """``given`` holds the values of the optimizer's own ``state_dict()`` (torch's docs pass that)."""
-    try:
-        if given.keys() != own.keys() or given["param_groups"] != own["param_groups"]:
-            return False
-        a, b = given["state"], own["state"]
-        return a.keys() == b.keys() and all(
-            a[i].keys() == b[i].keys()
-            and all(torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])) for k in b[i])
-            for i in b
-        )
-    except (RuntimeError, TypeError, KeyError):  # (tensor-valued hyperparameters compare ambiguously)
-        return False
 
 
 def _broadcast_object(obj: Any, layout: Layout) -> Any:
@@ -388,22 +373,31 @@ class TorchFSDPMethods(WrapperMixin):
         fsdp/state/optim_state.py), as the model's state dict type says: under
         ``FULL_STATE_DICT`` full tensors (on every rank, or rank 0 alone with
         ``FullOptimStateDictConfig(rank0_only=True)``: the others get ``{}``); under
-        ``SHARDED_STATE_DICT`` row-sharded DTensors. Collective."""
+        ``SHARDED_STATE_DICT`` row-sharded DTensors. Collective.
+
+        ``optim_state_dict``, if given, is converted instead of the optimizer's current state, as in
+        torch: a state dict of ``optim`` (its ids) or of a named optimizer (keyed by the names the
+        model gives its parameters), saved at any time, with entries of any type; without
+        ``"param_groups"`` the result has none (see fsdp/state/optim_given.py)."""
         whole = WholeModel(model, "optim_state_dict", group)
-        if optim_state_dict is not None and not _same_state_dict(optim_state_dict, optim.state_dict()):
-            raise NotImplementedError(
-                "FullyShardedDataParallel.optim_state_dict: an `optim_state_dict` other than optim.state_dict() is not "
-                "supported; leave it unset (the optimizer's own state is read)"
-            )
         kind = whole.settings.state_dict_type
-        if kind is StateDictType.SHARDED_STATE_DICT:
-            return optim_sharded.sharded_optim_state_dict(whole.layout(), optim)
-        if kind is not StateDictType.FULL_STATE_DICT:
+        if kind not in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
             raise NotImplementedError(
                 f"FullyShardedDataParallel.optim_state_dict: {kind.name} has no optimizer state form; use "
                 "FULL_STATE_DICT or SHARDED_STATE_DICT"
             )
-        return _full_named(whole.layout(), optim, whole.optim_rank0_only())
+        where = "FullyShardedDataParallel.optim_state_dict"
+        view = (
+            None if optim_state_dict is None else optim_given.view_of(optim, optim_state_dict, model, where)
+        )
+        source = optim if view is None else cast(torch.optim.Optimizer, view)
+        if kind is StateDictType.SHARDED_STATE_DICT:
+            out = optim_sharded.sharded_optim_state_dict(whole.layout(), source)
+        else:
+            out = _full_named(whole.layout(), source, whole.optim_rank0_only())
+        if view is None or optim_state_dict is None:
+            return out
+        return optim_given.finish(out, optim_state_dict, view, where)
 
     @staticmethod
     @collective("optim_state_dict_to_load()", owner="model")
@@ -418,28 +412,28 @@ class TorchFSDPMethods(WrapperMixin):
         """What ``optim.load_state_dict`` takes, from an :meth:`optim_state_dict` saved at any world
         size (under the same state dict type). Under ``FULL_STATE_DICT`` every rank passes the whole
         dict, or, with ``FullOptimStateDictConfig(rank0_only=True)``, rank 0 does and rank 0 sends it
-        to the others. ``load_directly=True`` loads it into ``optim`` too. Collective under
+        to the others. ``load_directly=True`` loads it into ``optim`` too. With
+        ``is_named_optimizer=True`` (``optim`` is torch's ``_NamedOptimizer`` or TorchRec's
+        ``KeyedOptimizer``) the result is keyed by the names ``model.named_parameters()`` gives the
+        optimizer's parameters, what such an optimizer loads. Collective under
         ``SHARDED_STATE_DICT`` and with ``rank0_only``."""
         whole = WholeModel(model, "optim_state_dict_to_load", group)
-        if is_named_optimizer:
-            raise NotImplementedError(
-                "FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer=True is not supported; the "
-                "optimizer steps on the flat parameters"
-            )
+        where = "FullyShardedDataParallel.optim_state_dict_to_load"
         kind = whole.settings.state_dict_type
         layout = whole.layout()
+
+        def keyed(shard: dict[str, Any]) -> dict[str, Any]:
+            return optim_given.keyed_by_name(shard, optim, model, where) if is_named_optimizer else shard
+
         if kind is StateDictType.SHARDED_STATE_DICT:
-            optim_sharded.load_sharded_optim_state_dict(layout, optim, optim_state_dict)
-            loaded: dict[str, Any] = optim.state_dict()
-            return loaded
+            return optim_sharded.load_sharded_optim_state_dict(layout, optim, optim_state_dict, keyed)
         if kind is not StateDictType.FULL_STATE_DICT:
             raise NotImplementedError(
-                f"FullyShardedDataParallel.optim_state_dict_to_load: {kind.name} has no optimizer state form; use "
-                "FULL_STATE_DICT or SHARDED_STATE_DICT"
+                f"{where}: {kind.name} has no optimizer state form; use FULL_STATE_DICT or SHARDED_STATE_DICT"
             )
         if whole.optim_rank0_only():
             optim_state_dict = _broadcast_object(optim_state_dict if layout.rank == 0 else None, layout)
-        shard = optim_impl.get_shard_from_optim_state_dict(layout, optim_state_dict, optim)
+        shard = keyed(optim_impl.get_shard_from_optim_state_dict(layout, optim_state_dict, optim))
         if load_directly:
             optim.load_state_dict(shard)
         return shard
@@ -456,7 +450,9 @@ class TorchFSDPMethods(WrapperMixin):
         the form :meth:`full_optim_state_dict` returns) and parameter ids (``PARAM_ID``: positions in
         ``optim``'s parameter groups, else in ``model.parameters()``: what a plain optimizer's
         ``state_dict()`` holds). ``model`` is the unwrapped model (or one wrapped with
-        ``use_orig_params=True``). A dict already keyed so is returned as it is. Not collective."""
+        ``use_orig_params=True``). Each param group's keys come sorted, as in torch (ids then equal
+        a plain optimizer's own ``state_dict()``). A dict already keyed so is returned as it is.
+        Not collective."""
         optim = _optimizer_from("rekey_optim_state_dict", optim, optim_input)
         kind = getattr(optim_state_key_type, "name", optim_state_key_type)
         if kind not in ("PARAM_NAME", "PARAM_ID"):
@@ -490,6 +486,11 @@ class TorchFSDPMethods(WrapperMixin):
         names = [name_of[id(p)] for p in params]
         groups = optim_state_dict["param_groups"]
         keys = [k for g in groups for k in g["params"]]
+        if len({type(k) for k in [*keys, *optim_state_dict["state"]]} & {str, int}) > 1:
+            raise ValueError(
+                "FullyShardedDataParallel.rekey_optim_state_dict: the state dict mixes parameter names and ids as keys "
+                f"({sorted(map(str, optim_state_dict['state']))[:4]}); pass one keyed by either"
+            )
         if kind == "PARAM_NAME":
             if all(isinstance(k, str) for k in keys):
                 return optim_state_dict
@@ -509,7 +510,7 @@ class TorchFSDPMethods(WrapperMixin):
         return {
             **extras,
             "state": {table[k]: v for k, v in optim_state_dict["state"].items()},
-            "param_groups": [{**g, "params": [table[k] for k in g["params"]]} for g in groups],
+            "param_groups": [{**g, "params": sorted(table[k] for k in g["params"])} for g in groups],
         }
 
     @staticmethod
@@ -521,6 +522,4 @@ class TorchFSDPMethods(WrapperMixin):
         size): what ``optim.load_state_dict`` takes. As :meth:`optim_state_dict_to_load` under
         ``SHARDED_STATE_DICT`` does, the state is loaded into ``optim`` too. Collective."""
         whole = WholeModel(model, "flatten_sharded_optim_state_dict", None)
-        optim_sharded.load_sharded_optim_state_dict(whole.layout(), optim, sharded_optim_state_dict)
-        loaded: dict[str, Any] = optim.state_dict()
-        return loaded
+        return optim_sharded.load_sharded_optim_state_dict(whole.layout(), optim, sharded_optim_state_dict)

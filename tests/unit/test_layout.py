@@ -24,7 +24,7 @@ ORDER = [
     "comm.simulation", "comm.lost_ranks", "comm.collectives", "comm.consistency", "comm.topology", "comm.schedule", "comm.buckets", "comm.rs_buckets",
     "core.sharding", "core.deferred_init", "core.flat_param", "core.grad_hooks", "core.handle_grads", "core.handle",
     "core.no_shard_buckets", "core.layout", "core.wrapper_protocol",
-    "state.local", "state.state_dict", "state.optim_fairscale", "state.optim_state", "state.optim_sharded",
+    "state.local", "state.state_dict", "state.optim_fairscale", "state.optim_state", "state.optim_sharded", "state.optim_given",
     "wrap.policies", "wrap.context",
     "wrapper.mixed_precision", "wrapper.clip_grad", "wrapper.shared_params", "wrapper.state_methods",
     "wrapper.stats_methods", "wrapper.grad_methods", "wrapper.fairscale_attrs", "wrapper.summon_methods",
