@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -46,6 +47,15 @@ def clip_grad_norm_(
         )
     first_replica: dict[int, bool] = {}  # id(replicate group) -> this rank is its first
     total = torch.zeros((), device=device)
+    grads = [h.flat_param.grad for h in handles] + [param.grad for param in plain]
+    if all(g is None for g in grads):  # (torch's warning, in its words: a forward without backward, say)
+        rank = dist.get_rank(group) if group is not None else 0
+        warnings.warn(
+            f"Called FSDP.clip_grad_norm_() on rank {rank} with no gradients -- returning the total norm in the "
+            f"default dtype {total.dtype} (the norm of the other ranks' gradients; run backward before clipping)",
+            UserWarning,
+            stacklevel=4,  # (the caller of model.clip_grad_norm_: through the method and its agreement)
+        )
     for h in handles:
         replicas = h.comm.replicate_group
         if replicas is not None:
@@ -70,7 +80,6 @@ def clip_grad_norm_(
             total = torch.maximum(total, value.to(device)) if p == math.inf else total + value.to(device)
     norm = total if p == math.inf else total ** (1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [h.flat_param.grad for h in handles] + [param.grad for param in plain]
     for grad in grads:
         if grad is not None:
             grad.detach().mul_(coef.to(grad.device, grad.dtype))

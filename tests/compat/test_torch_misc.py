@@ -29,9 +29,24 @@ BF16, F32 = torch.bfloat16, torch.float32
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 
+class _TwoRanks:
+    """A stand-in group of two ranks (torch's ``DummyProcessGroup(rank=0, size=2)``): at one rank every
+    strategy becomes ``NO_SHARD``, as in torch."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sharding_strategy_equals_torchs_member(single_rank_group: None, strategy: str) -> None:
-    model = FSDP(nn.Linear(2, 2), sharding_strategy=getattr(torch_fsdp.ShardingStrategy, strategy))
+    model = FSDP(
+        nn.Linear(2, 2),
+        process_group=_TwoRanks(),
+        sharding_strategy=getattr(torch_fsdp.ShardingStrategy, strategy),
+    )
     assert model.sharding_strategy == getattr(torch_fsdp.ShardingStrategy, strategy)
     assert getattr(torch_fsdp.ShardingStrategy, strategy) == model.sharding_strategy
     assert model.sharding_strategy is getattr(fsdp.ShardingStrategy, strategy)
