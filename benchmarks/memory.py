@@ -1,10 +1,12 @@
 """A rank's peak tensor memory over one training step, by category, against torch's FSDP2.
 
     python -m benchmarks.memory [--regimes batch4,ckpt1] [--variants ours,ours_in_backward,fsdp2] \
-        [--nproc 2] [--size 30M] [--out out/memory]
+        [--nproc 2] [--size 34M] [--out out/memory]
 
 The model is the example's GPT (``examples.gpt.GPT``, vocabulary 8192, 8 blocks of width 512, 128
-tokens of context; about 30M parameters), each block one unit, trained with AdamW. Two regimes:
+tokens of context), each block one unit, the embeddings and the head in the root, trained with
+AdamW. ``34M`` (the default) has an output head of its own (33.6M parameters); ``30M`` ties it to the
+token embedding as the example does (29.4M). Two regimes:
 
 - ``batch4``: 4 sequences per rank, no activation checkpointing (activations dominate);
 - ``ckpt1``: 1 sequence per rank, every block activation-checkpointed (the large-model regime, where
@@ -12,12 +14,15 @@ tokens of context; about 30M parameters), each block one unit, trained with Adam
 
 Each variant runs in a pair of rank processes of its own (``torchrun``), as measuring several in one
 process would count what an earlier one left behind: one warm-up step (so that the optimizer state
-exists), then one step under torch's tracker of live tensors, ``MemTracker`` with
-``track_external(model, optimizer)`` for this library and ``FSDPMemTracker(model, optimizer)`` for
-FSDP2. The peak is the tracker's ``"Total"`` at its peak (max over the ranks), with the categories
-it splits that peak into (parameters, gradients, optimizer state, activations, temporaries, ...).
+exists), then one step under torch's tracker of live tensors, ``FSDPMemTracker(model, optimizer)``
+for FSDP2 and, for this library, ``fsdp.training.memory_tracker.WrapperMemTracker`` (torch's
+tracker told which tensors are shards, gathered parameters, full and sharded gradients, reduction
+buffers: the same categories as FSDP2's). The peak is the tracker's ``"Total"`` at its peak (max over
+the ranks), with the categories it splits that peak into.
 Variants: ``ours`` (``backward(); optimizer.step()``), ``ours_in_backward``
-(``fsdp.optimizer_in_backward``) and ``fsdp2`` (``fully_shard``). Writes ``OUT/memory.json`` and
+(``fsdp.optimizer_in_backward``), the same two with ``_pp`` (the root wrapped with
+``flatten_parameters=False``: each of its parameters a flat parameter of its own, reduced as soon as
+its gradient exists) and ``fsdp2`` (``fully_shard``). Writes ``OUT/memory.json`` and
 ``OUT/memory.md``; prints the table.
 """
 
@@ -29,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,16 +47,19 @@ from benchmarks._example import timed_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # vocabulary, context, blocks, width, heads ("tiny": a check of the script itself)
-SIZES = {"30M": (8192, 128, 8, 512, 8), "tiny": (256, 16, 2, 32, 2)}
+SIZES = {"34M": (8192, 128, 8, 512, 8), "30M": (8192, 128, 8, 512, 8), "tiny": (256, 16, 2, 32, 2)}
+TIED = {"30M"}  # sizes whose head is the token embedding (the example's weight tying)
 REGIMES = {"batch4": (4, False), "ckpt1": (1, True)}
-VARIANTS = ("ours", "ours_in_backward", "fsdp2")
+VARIANTS = ("ours", "ours_in_backward", "ours_pp", "ours_in_backward_pp", "fsdp2")
 
 
-def _model(checkpointed: bool, variant: str, size: str = "30M") -> nn.Module:
+def _model(checkpointed: bool, variant: str, size: str = "34M") -> nn.Module:
     from examples.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(*SIZES[size], 0.0)
+    if size not in TIED:
+        model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
     if variant == "fsdp2":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.distributed.device_mesh import init_device_mesh
@@ -68,22 +77,23 @@ def _model(checkpointed: bool, variant: str, size: str = "30M") -> nn.Module:
         model.blocks[i] = fsdp.FullyShardedDataParallel(
             fsdp.checkpoint_wrapper(block) if checkpointed else block
         )
-    return fsdp.FullyShardedDataParallel(model)
+    # "_pp": the root's parameters each a flat parameter of their own (flatten_parameters=False)
+    return fsdp.FullyShardedDataParallel(model, flatten_parameters=not variant.endswith("_pp"))
 
 
 def _rank(variant: str, regime: str, out: str, size: str) -> None:
     """One variant in this pair of rank processes: a warm-up step, then a tracked one."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     import fsdp
+    from fsdp.training.memory_tracker import WrapperMemTracker
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     batch, checkpointed = REGIMES[regime]
     model = _model(checkpointed, variant, size)
     vocab, context = SIZES[size][:2]
-    if variant == "ours_in_backward":
+    if variant.startswith("ours_in_backward"):
         optim: torch.optim.Optimizer = fsdp.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-4)
     else:
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -99,8 +109,7 @@ def _rank(variant: str, regime: str, out: str, size: str) -> None:
     if variant == "fsdp2":
         tracker: Any = FSDPMemTracker(model, optim)
     else:
-        tracker = MemTracker()
-        tracker.track_external(model, optim)
+        tracker = WrapperMemTracker(model, optim)
     with tracker:
         seconds = step()
     peak = tracker.get_tracker_snapshot("peak")
@@ -112,6 +121,7 @@ def _rank(variant: str, regime: str, out: str, size: str) -> None:
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(everyone))
     dist.barrier()
+    time.sleep(0.1)  # (gloo's workers drop the last collectives' tensors: See design.md, exit under gloo)
     dist.destroy_process_group()
 
 
@@ -124,7 +134,7 @@ def main() -> None:
     p.add_argument("--regimes", default="batch4,ckpt1")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--size", choices=sorted(SIZES), default="30M")
+    p.add_argument("--size", choices=sorted(SIZES), default="34M")
     p.add_argument("--out", default="out/memory")
     args = p.parse_args()
     out = Path(args.out)

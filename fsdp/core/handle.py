@@ -57,6 +57,7 @@ from fsdp.core.flat_param import (
 )
 from fsdp.core.grad_hooks import AccumulatorHooks
 from fsdp.core.handle_grads import GRAD_TRANSITIONS, GradState, HandleGradients, _same_bits
+from fsdp.core.saved_views import SavedViews
 from fsdp.core.sharding import ShardSpec, shard_spec
 
 __all__ = ["GRAD_TRANSITIONS", "FlatParamHandle", "GradState", "MemoryStats", "free_unused_prefetches"]
@@ -141,6 +142,9 @@ class FlatParamHandle(HandleGradients):
     _placeholders: list[torch.Tensor]  # meta-device stand-ins for the module attributes while sharded
     _placeholders_set: bool  # the modules' attributes are the stand-ins now
     accumulators: AccumulatorHooks  # the post-backward's hooks: see [Note: gradient accumulators]
+    saved_views: SavedViews  # views of ``_full`` autograd holds: see [Note: releasing kept full parameters]
+    _released: bool  # UNSHARDED, with ``_full`` freed in backward by release_full_early()
+    finish_soon: bool  # see _post_backward in fsdp/wrapper/base.py
 
     def __init__(
         self,
@@ -191,6 +195,9 @@ class FlatParamHandle(HandleGradients):
         self._grad_acc = self._full_grad = None
         self.grad_state = GradState.IDLE
         self.on_reduced = None  # (an optimizer in backward sets it on the handles it steps)
+        self.saved_views = SavedViews(self)
+        self._released = False
+        self.finish_soon = False  # released early: its reduction is finished at the next pre-backward
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = make_placeholders(self)
         self.remove_module_tensors()
@@ -294,7 +301,7 @@ class FlatParamHandle(HandleGradients):
         """Whether the full flat parameter's values for the current shard are in memory: unsharded, or
         the compute buffer kept since a forward and the shard unchanged since (always when aliased)."""
         if self.state is MemoryState.UNSHARDED:
-            return True
+            return not self._released
         return self.aliased or self._kept_full_valid
 
     @property
@@ -348,6 +355,8 @@ class FlatParamHandle(HandleGradients):
         and not invalidated by an in-place update since). With ``full_precision`` (summon, state
         dict) the master shards are gathered instead. Finishes a gather started by :meth:`prefetch`.
         """
+        if self.state is MemoryState.UNSHARDED and self._released:
+            self.reshard()  # (its full buffer was freed in this backward: gathered again below)
         if self.state is MemoryState.UNSHARDED:
             assert not (full_precision and self.mixed and self._active is self._full), (
                 "unsharded in compute dtype"
@@ -425,7 +434,8 @@ class FlatParamHandle(HandleGradients):
         self.remove_module_tensors()
         if self._full_precision is not None:
             self.memory.add(-_free_storage(self._full_precision))
-        keep = not free_full and self._active is self._full and not self.aliased
+        keep = not free_full and self._active is self._full and not self.aliased and not self._released
+        self._released = False
         self._active = self._full
         if keep:
             self._full_version = self.flat_param._version
@@ -433,6 +443,22 @@ class FlatParamHandle(HandleGradients):
         else:
             self._set_memory_state(MemoryState.SHARDED)
             self._free_full()
+
+    @property
+    def released(self) -> bool:
+        """UNSHARDED with the full buffer freed in this backward by :meth:`release_full_early`."""
+        return self._released
+
+    def release_full_early(self) -> None:
+        """Free the full buffer kept from forward while still UNSHARDED in backward: autograd reads it no
+        more. The flat parameter keeps its full shape (gradients still flow into it); the module
+        attributes become placeholders; :meth:`unshard` gathers again if asked. See [Note: releasing kept
+        full parameters] in fsdp/core/saved_views.py."""
+        if self.state is not MemoryState.UNSHARDED or self._active is not self._full or self.aliased:
+            return
+        self.memory.add(-_free_storage(self._full))
+        self._released = True
+        self.remove_module_tensors()
 
     def _free_full(self) -> None:
         """Free the compute-dtype full buffer (nothing when aliased): FULL_KEPT becomes SHARDED."""

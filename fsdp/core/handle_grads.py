@@ -85,6 +85,7 @@ from torch import nn
 
 from fsdp.api import MemoryState, check_transition
 from fsdp.comm.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
+from fsdp.common import memory_tags
 from fsdp.core.flat_param import unflatten_views
 
 if TYPE_CHECKING:  # annotations only: the handle imports this module
@@ -278,6 +279,7 @@ class HandleGradients:
         assert grad is not None and grad.shape == self.flat_param.shape, (
             "post-backward without a full gradient"
         )
+        memory_tags.tag(grad, memory_tags.UNSHARDED_GRAD)
         if not sync:
             if not self.aliased:  # aliased: autograd itself accumulates into .grad across backwards
                 self.flat_param.grad = None
@@ -302,6 +304,7 @@ class HandleGradients:
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
         grad = grad.contiguous()
+        memory_tags.tag(grad, memory_tags.REDUCE_SCATTER)
         if self.comm.gradient_predivide_factor != 1:
             grad.div_(self.comm.gradient_predivide_factor)
         replicate = self.comm.replicate_group
@@ -425,4 +428,5 @@ class HandleGradients:
         if self._saved_grad_shard is not None:
             grad = self._saved_grad_shard.add_(grad)
             self._saved_grad_shard = None
+        memory_tags.tag(grad, memory_tags.SHARDED_GRAD)
         self.flat_param.grad = grad

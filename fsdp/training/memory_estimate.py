@@ -32,10 +32,12 @@ class MemoryEstimate:
     """One rank's peak over a training step, as torch's ``MemTracker`` splits it (estimated by
     :func:`estimate_memory`, or measured by :func:`measure_memory`).
 
-    ``breakdown`` maps the tracker's categories to bytes at the peak: ``PARAM`` (this rank's
-    parameter shards), ``BUFFER``, ``GRAD`` (gradients on parameters), ``ACT`` (activations and the
-    gathered parameters a forward holds), ``TEMP`` (temporaries: gradients being reduced, the
-    optimizer's intermediates), ``OPT`` (optimizer state), ``OTH``."""
+    ``breakdown`` maps categories to bytes at the peak, those of torch's FSDP2 tracker (See [Note:
+    memory categories]): ``SHARDED_PARAM`` (this rank's shards), ``UNSHARDED_PARAM`` (gathered full
+    parameters), ``ALL_GATHER`` (the cast shard an all-gather sends), ``SHARDED_GRAD``,
+    ``UNSHARDED_GRAD`` (a unit's full gradient before its reduction), ``REDUCE_SCATTER`` (gradients
+    in reduction), ``OPT`` (optimizer state and what its step allocates), ``ACT`` (activations),
+    ``TEMP`` (other tensors of backward), ``BUFFER``, ``INP``."""
 
     world_size: int
     peak_bytes: int
@@ -131,19 +133,20 @@ def measure_memory(
     train_step: Callable[[], Any],
     device: str | torch.device | None = None,
 ) -> MemoryEstimate:
-    """The peak of ``train_step()`` (one step of ``model``, run now) on this rank, as torch's
-    ``MemTracker`` splits it, with the model's parameters and gradients and the optimizer's state
-    counted as such (``track_external(model, optimizer)``). Run a step before, so that the optimizer
-    state exists. ``device``: whose memory (default: where the model's first parameter is). In a job,
-    on every rank: each measures its own."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """The peak of ``train_step()`` (one step of ``model``, run now) on this rank, split by what the
+    tensors are for (:class:`~fsdp.training.memory_tracker.WrapperMemTracker`, torch's FSDP2 tracker
+    told about this library's tensors: See [Note: memory categories]). Run a step before, so that
+    the optimizer state exists. ``device``: whose memory (default: where the model's first parameter
+    is). In a job, on every rank: each measures its own."""
+    from fsdp.training.memory_tracker import (
+        WrapperMemTracker,
+    )  # (torch's trackers import sympy: not at import)
 
     if device is None:
         device = next(iter(model.parameters())).device
     kind = torch.device(device).type
     gc.collect()
-    tracker = MemTracker()
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    tracker = WrapperMemTracker(model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the tracker warns about outputs that hold no tensor)
         with tracker:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp.common import memory_tags
 from fsdp.core.handle import FlatParamHandle
 from fsdp.wrapper.base import WrapperBase
 
@@ -87,7 +88,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         group = self.param_groups[self._group_of[p]]
         inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         inner.state = self.state  # (load_state_dict() replaces the outer one's dict)
-        inner.step()
+        with memory_tags.stepping():
+            inner.step()
         p.grad = None
 
     def _on_reduced(self, handle: FlatParamHandle) -> None:

@@ -62,6 +62,7 @@ from fsdp.core.flat_param import (
 from fsdp.core.grad_hooks import GraphToken, OutputHook
 from fsdp.core.handle import FlatParamHandle, GradState, free_unused_prefetches
 from fsdp.core.no_shard_buckets import finish_no_shard_buckets
+from fsdp.core.saved_views import watch_root_forward
 from fsdp.wrapper.direct_call import DirectCallMethods, OpenForward
 from fsdp.wrapper.fairscale_attrs import FairscaleAttributes
 from fsdp.wrapper.grad_methods import GradientMethods
@@ -123,6 +124,9 @@ class WrapperBase(
     _frozen: bool  # .to() / to_empty() pass this wrapper by (while an outer one materializes)
     _reshard_after_forward: bool  # effective value (the root may override the config)
     _pre_backward_done: bool  # this wrapper's pre-backward ran in the current backward
+    _views_tracked: bool = (
+        False  # its last forward counted saved views: See [Note: releasing kept full parameters]
+    )
     _module_param_order: dict[nn.Module, list[str]]  # original parameter order per owned module
     _buffer_dtypes: dict[str, torch.dtype]  # owned buffer name -> its dtype before wrapping
     _ignored: IgnoredStates  # ignored_modules / ignored_states: left alone (See [Note: ignored modules])
@@ -333,6 +337,8 @@ class WrapperBase(
         scheduler = self._ctx.scheduler
         if self._is_root:
             scheduler.start_iteration()
+            for h in self.handles:  # (a backward that raised left them armed)
+                h.saved_views.armed = False
         # lives as long as this forward's graph: see [Note: gradient accumulators] in fsdp/core/grad_hooks.py
         token = GraphToken() if grad_enabled else None
         opened = OpenForward(token, record_function("FSDP::forward"))
@@ -353,6 +359,11 @@ class WrapperBase(
             if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
                 opened.buffers = buffers_in_dtypes(self._fsdp_wrapped_module, self._buffer_dtypes)
                 opened.buffers.__enter__()
+            if token is not None and self._releases_kept_full(self._ctx):
+                opened.saved = watch_root_forward(self.handles, self._own_region())
+                if opened.saved is not None:
+                    opened.saved.__enter__()
+                    self._views_tracked = True
         except BaseException:
             self._end_forward(opened)
             raise
@@ -363,6 +374,8 @@ class WrapperBase(
         ctx = self._ctx
         assert ctx is not None
         try:
+            if opened.saved is not None:
+                opened.saved.__exit__(None, None, None)
             if opened.buffers is not None:
                 opened.buffers.__exit__(None, None, None)
             # Under no_grad no backward follows: nothing is worth keeping. Inside
@@ -463,6 +476,10 @@ class WrapperBase(
             queue_end_of_backward(root._finalize_backward, "FullyShardedDataParallel")
             if ctx.sync and ctx.bucketer is not None:
                 ctx.bucketer.begin_backward()
+        for h in [h for h in ctx.in_flight if h.finish_soon and h.reduction_finishable]:
+            ctx.in_flight.remove(h)
+            h.finish_soon = False
+            h.finalize_gradient()
         if self._pre_backward_done:
             return grad
         self.assert_state([TrainingState.IDLE, TrainingState.BACKWARD_PRE])
@@ -480,7 +497,26 @@ class WrapperBase(
                 h.prepare_gradient_for_backward()
                 h.use_full_views(as_parameters=False)
                 h.accumulators.note(None)  # (a forward recomputed in this backward reads these views)
+        if self._views_tracked:  # See [Note: releasing kept full parameters] in fsdp/core/saved_views.py
+            for h in self.handles:
+                h.saved_views.arm()
         return grad
+
+    def _own_region(self) -> set[int]:
+        """Ids of the modules below this wrapper and not below an inner wrapper."""
+        region: set[int] = set()
+        stack: list[nn.Module] = [self._fsdp_wrapped_module]
+        while stack:
+            m = stack.pop()
+            region.add(id(m))
+            stack.extend(c for c in m.children() if not isinstance(c, WrapperBase))
+        return region
+
+    def _releases_kept_full(self, ctx: _Context) -> bool:
+        """Whether this forward counts the saved views of full parameters kept into backward, to free
+        them once used: the root's, when it keeps them (``reshard_after_forward=False``, its default),
+        outside ``no_sync()``. See [Note: releasing kept full parameters]."""
+        return bool(self._is_root) and ctx.sync and not self._reshard_after_forward
 
     def _keeps_full_in_no_sync(self, ctx: _Context) -> bool:
         """Whether this wrapper keeps its full parameters between micro-batches inside no_sync():
@@ -518,16 +554,22 @@ class WrapperBase(
         self.training_state = TrainingState.BACKWARD_POST
         set_activity("the gradient reduction", self._path)
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
+        released = handle.released  # (its full parameter freed in this backward: it steps at once)
         with record_function("FSDP::post_backward"):
             handle.reduce_grad(
                 sync=ctx.sync, bucketed=index is not None, keep_full=self._keeps_full_in_no_sync(ctx)
             )
+            # (its full parameter was freed early: it steps at the next pre-backward, when autograd
+            # has let go of its full gradient; See [Note: releasing kept full parameters])
+            handle.finish_soon = released and handle.reduction_pending
             # Finish older reductions as backward goes on, freeing their full gradients now rather
             # than at the end of backward: at most one sent reduction stays in flight.
             if handle.reduction_pending:
                 ctx.in_flight.append(handle)
-            while len(ctx.in_flight) > 1 and ctx.in_flight[0].reduction_launched:
-                ctx.in_flight.popleft().finalize_gradient(asynchronous=True)
+            # (one queued in a bucket, not sent yet, holds up none sent after it)
+            for h in [h for h in list(ctx.in_flight)[:-1] if h.reduction_launched]:
+                ctx.in_flight.remove(h)
+                h.finalize_gradient(asynchronous=True)
         if handle.gathers:
             ctx.scheduler.freed()
         if index is not None:
@@ -576,6 +618,10 @@ class WrapperBase(
                     h.end_backward()
                     h.accumulators.end_backward()
                 w._pre_backward_done = False
+                if w._views_tracked:
+                    w._views_tracked = False
+                    for h in w.handles:
+                        h.saved_views.armed = h.saved_views.unsure = False
                 if w.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
                     w.training_state = TrainingState.IDLE  # (not a wrapper in a forward or summon of its own)
 

@@ -97,5 +97,6 @@ class RootContext(Generic[W]):
 
     def finish_reductions(self) -> None:
         """Runs before a unit's flat gradient is built. See [Note: finishing reductions early]."""
-        while self.in_flight and self.in_flight[0].reduction_finishable:
-            self.in_flight.popleft().finalize_gradient(asynchronous=True)
+        for h in [h for h in self.in_flight if h.reduction_finishable]:  # (a queued bucket holds up none)
+            self.in_flight.remove(h)
+            h.finalize_gradient(asynchronous=True)

@@ -127,7 +127,7 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak(
     measured = max(pool.run(_measured, checkpointed, in_backward))
     estimated, breakdown = estimates[f"2/{checkpointed}/{in_backward}"]
     assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured, breakdown)
-    assert breakdown["OPT"] > 0 and breakdown["PARAM"] > 0
+    assert breakdown["OPT"] > 0 and breakdown["SHARDED_PARAM"] > 0
 
 
 def test_the_estimate_falls_with_the_world_size(estimates: dict[str, Any]) -> None:
@@ -135,7 +135,7 @@ def test_the_estimate_falls_with_the_world_size(estimates: dict[str, Any]) -> No
         peaks = [estimates[f"{n}/{checkpointed}/False"][0] for n in (1, 2, 4, 64)]
         # (at world size 1 no reduction buffers exist: from 2 ranks on, the peak falls)
         assert peaks[1] > peaks[2] > peaks[3] and peaks[3] < 0.6 * peaks[0], peaks
-        param = [estimates[f"{n}/{checkpointed}/False"][1]["PARAM"] for n in (1, 2, 4, 64)]
+        param = [estimates[f"{n}/{checkpointed}/False"][1]["SHARDED_PARAM"] for n in (1, 2, 4, 64)]
         assert param[1] < 0.55 * param[0] and param[3] < 0.05 * param[0], param  # shards: about 1/N
 
 

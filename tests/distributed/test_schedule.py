@@ -331,10 +331,13 @@ def test_memory_stats_count_the_unsharded_buffers(pool: RankPool) -> None:
             "unsharded": 0,
             "unsharded_peak": 0,
         }
+        # the root keeps its parameters through the forward; at most two inner units are gathered at
+        # once (the one computing and the prefetched next one), then all are freed. The first forward
+        # prefetches nothing (no order known yet), and backward frees the root's parameters once its
+        # layer's backward used them, before the units' (See [Note: releasing kept full parameters])
+        assert r["step0"]["unsharded_peak"] == 2 * unit, r["step0"]
+        assert r["step1"]["unsharded_peak"] == root + 2 * unit, r["step1"]
         for step in ("step0", "step1"):
-            # the root keeps its parameters through the forward; at most two inner units are
-            # gathered at once (the one computing and the prefetched next one), then all are freed
-            assert r[step]["unsharded_peak"] == root + 2 * unit, r[step]
             assert r[step]["unsharded"] == 0 and r[step]["sharded_grads"] == full // 2, r[step]
         assert r["reset"]["unsharded_peak"] == 0, "the peak starts over from the current value"
         assert r["summon"]["unsharded"] == full, "summon gathers every unit in full precision"

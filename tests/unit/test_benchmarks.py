@@ -91,3 +91,16 @@ def test_checkpoint_cost_times_both_variants_of_each_operation(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_cost.json"], (
         "each round's files are removed"
     )
+
+
+def test_versions_times_an_earlier_commit_beside_this_checkout(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "benchmarks.versions", "--commits", "HEAD", "--size", "1M", "--rounds", "2"]
+    cmd += ["--extra", "in_backward_pp", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "versions.json").read_text())
+    assert set(report) == {"this", "HEAD", "this_in_backward_pp", "local"}
+    for row in report.values():
+        assert len(row["per_round_s"]) == 2 and row["median_step_s"] > 0 and row["over_local"] > 0
+    assert report["this"]["over_this"] == 1.0 and report["local"]["over_local"] == 1.0

@@ -20,9 +20,9 @@ PKG = Path(__file__).resolve().parents[2] / "fsdp"
 # a subpackage; a plain name a module at the top of the package.
 ORDER = [
     "api",
-    "common.device", "common.torch_compile", "common.nest", "common.guards",
+    "common.device", "common.torch_compile", "common.nest", "common.guards", "common.memory_tags",
     "comm.simulation", "comm.lost_ranks", "comm.collectives", "comm.consistency", "comm.topology", "comm.schedule", "comm.buckets", "comm.rs_buckets",
-    "core.sharding", "core.deferred_init", "core.flat_param", "core.grad_hooks", "core.handle_grads", "core.handle",
+    "core.sharding", "core.deferred_init", "core.flat_param", "core.grad_hooks", "core.handle_grads", "core.saved_views", "core.handle",
     "core.no_shard_buckets", "core.layout", "core.wrapper_protocol",
     "state.local", "state.state_dict", "state.optim_fairscale", "state.optim_state", "state.optim_sharded", "state.optim_given",
     "wrap.policies", "wrap.context",
@@ -30,7 +30,8 @@ ORDER = [
     "wrapper.stats_methods", "wrapper.grad_methods", "wrapper.fairscale_attrs", "wrapper.summon_methods",
     "wrapper.direct_call", "wrapper.torch_compat", "wrapper.torch_methods", "wrapper.module_ops",
     "wrapper.construct", "wrapper.root_context", "wrapper.base", "wrapper.fully_sharded", "wrapper.norm_wrap",
-    "training.recompute", "training.activation_checkpoint", "training.optim_in_backward", "training.memory_estimate",
+    "training.recompute", "training.activation_checkpoint", "training.optim_in_backward", "training.memory_tracker",
+    "training.memory_estimate",
     "training.sharded_grad_scaler",
     "ddp.data_parallel",
     "offload.layer_slice", "offload.engine", "offload.model",

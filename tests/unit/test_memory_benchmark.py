@@ -27,9 +27,10 @@ def test_the_memory_benchmark_reports_every_variant_and_regime(tmp_path: Path) -
     report = json.loads((tmp_path / "memory.json").read_text())
     assert sorted(report) == ["batch4", "ckpt1"]
     for by in report.values():
-        assert sorted(by) == ["fsdp2", "ours", "ours_in_backward"]
+        assert sorted(by) == ["fsdp2", "ours", "ours_in_backward", "ours_in_backward_pp", "ours_pp"]
         for r in by.values():
             assert len(r["peak_bytes_per_rank"]) == 2 and r["peak_bytes"] == max(r["peak_bytes_per_rank"]) > 0
             assert r["categories"].get("OPT", 0) > 0  # the optimizer state is counted (warm-up step first)
+            assert r["categories"].get("SHARDED_PARAM", 0) > 0  # the categories of FSDP2's tracker
     table = (tmp_path / "memory.md").read_text()
     assert "| ckpt1 | ours_in_backward |" in table and "/ fsdp2" in table

@@ -433,11 +433,10 @@ def test_name_keyed_optimizer_state_reads_aliases_and_refuses_stray_entries(sing
         FSDP.shard_full_optim_state_dict(stray, model)
 
 
-def test_optim_state_dict_takes_the_optimizers_own_state_dict_only(single_rank_group: None) -> None:
+def test_optim_state_dict_converts_the_dict_it_is_given(single_rank_group: None) -> None:
     model, optim, full = _tied_adam()
     named = FSDP.optim_state_dict(model, optim, optim.state_dict())
     assert torch.equal(named["state"]["0.weight"]["exp_avg"], full["state"]["0.weight"]["exp_avg"])
     changed = optim.state_dict()
     changed["param_groups"][0]["lr"] = 0.5
-    with pytest.raises(NotImplementedError, match=r"other than optim\.state_dict"):
-        FSDP.optim_state_dict(model, optim, changed)
+    assert FSDP.optim_state_dict(model, optim, changed)["param_groups"][0]["lr"] == 0.5
