@@ -117,13 +117,12 @@ class RootForwardWatch:
         self._region = region
         by_storage: dict[int, SavedViews] = {}
         for h in handles:
-            ptr = h._full.untyped_storage().data_ptr()
-            if ptr != 0:
-                by_storage[ptr] = h.saved_views
+            if h._full.untyped_storage().nbytes() != 0:  # (keyed by the storage itself: also on meta)
+                by_storage[h._full.untyped_storage()._cdata] = h.saved_views
 
         def pack(t: torch.Tensor) -> Any:
             try:
-                views = by_storage.get(t.untyped_storage().data_ptr())
+                views = by_storage.get(t.untyped_storage()._cdata)
             except (RuntimeError, NotImplementedError):  # (a tensor without a storage of its own)
                 return t
             return t if views is None else _Saved(t, views)
@@ -177,6 +176,6 @@ def watch_root_forward(handles: list[FlatParamHandle], region: set[int]) -> Root
     enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     if enabled is None or not enabled() or _TOP(False) is not None:
         return None
-    if all(h._full.untyped_storage().data_ptr() == 0 for h in handles):
+    if all(h._full.untyped_storage().nbytes() == 0 for h in handles):
         return None
     return RootForwardWatch(handles, region)
