@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
@@ -36,6 +36,7 @@ __all__ = [
     "ParamInfo",
     "PendingTie",
     "SharedParamInfo",
+    "carry_attributes",
     "check_no_parameters_added",
     "collect_owned",
     "group_params",
@@ -59,6 +60,9 @@ class ParamInfo:
     shape: torch.Size  # original shape; () for a scalar parameter
     numel: int
     offset: int  # first element in the (unpadded) flat tensor
+    # the attributes the original carried (its __dict__), set on its views in forward too (a parameter
+    # among them as a _ParameterReference; see the comment above that class)
+    attrs: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class FlatParamMeta:
     numel: int  # sum of the parameters' numel, without padding
     dtype: torch.dtype
     requires_grad: bool
+    attributed: tuple[int, ...] = field(default=(), compare=False)  # the params[i] with attrs
 
     @property
     def fqns(self) -> tuple[str, ...]:
@@ -129,11 +134,13 @@ def make_meta(entries: Sequence[_Entry], shared: Sequence[tuple[_Entry, int]]) -
     infos, offset = [], 0
     for e in entries:
         n = e.param.numel()
-        infos.append(ParamInfo(e.fqn, e.module_name, e.param_name, e.param.shape, n, offset))
+        attrs = _attributes_of(e.param, e.fqn)
+        infos.append(ParamInfo(e.fqn, e.module_name, e.param_name, e.param.shape, n, offset, attrs))
         offset += n
     shared_infos = tuple(SharedParamInfo(e.fqn, e.module_name, e.param_name, i) for e, i in shared)
     first = entries[0].param
-    return FlatParamMeta(tuple(infos), shared_infos, offset, first.dtype, first.requires_grad)
+    attributed = tuple(i for i, info in enumerate(infos) if info.attrs)
+    return FlatParamMeta(tuple(infos), shared_infos, offset, first.dtype, first.requires_grad, attributed)
 
 
 def unflatten_views(
@@ -154,7 +161,55 @@ def unflatten_views(
     if before_concat is not None and node is not None:
         hook = before_concat
         node.register_prehook(lambda grad_outputs: hook())
-    return [part.view(p.shape) for part, p in zip(parts, meta.params)]
+    views = [part.view(p.shape) for part, p in zip(parts, meta.params)]
+    if meta.attributed and isinstance(flat, nn.Parameter):  # what modules compute with (_ParameterReference)
+        for i in meta.attributed:
+            carry_attributes(views[i], meta.params[i])
+    return views
+
+
+def carry_attributes(tensor: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    """``tensor`` (what a module shows for the original parameter ``info``) with the attributes the
+    original carried; returned. Nothing to do, and no cost, for nearly every parameter."""
+    for name, value in info.attrs:
+        setattr(tensor, name, value.stand_in() if isinstance(value, _ParameterReference) else value)
+    return tensor
+
+
+# Attributes of original parameters. A module may set attributes on its parameters and read them in
+# forward (fairscale keeps the parameter objects; torch's use_orig_params shows them): the originals'
+# attributes (their __dict__ when flattened) are recorded in their ParamInfo and set on their views
+# and stand-ins (a setattr per attribute, for the few parameters that have any). A value that is a
+# parameter would be the original object, with its values at wrapping time and no gradient: it is
+# shown as a stand-in refusing any use (fairscale's MEVO: trigger._linked_param = proj_weight; its
+# backward also writes proj_weight.grad by hand, which a view would not carry into the flat gradient).
+
+
+@dataclass(frozen=True)
+class _ParameterReference:
+    """An attribute of an original parameter whose value is a parameter (see the comment above)."""
+
+    holder: str  # the name of the parameter carrying the attribute
+    attr: str
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def stand_in(self) -> torch.Tensor:
+        reason = (
+            f"FullyShardedDataParallel: attribute {self.attr!r} of parameter {self.holder!r} refers to another "
+            "parameter, which the wrapper replaced by its flat parameter: the object kept there holds the values "
+            "it had when it was wrapped and gets no gradient (fairscale's MEVO links its trigger this way, and "
+            "writes the projection's gradient by hand, which is not supported). Read the parameter through its "
+            "module in forward (e.g. keep a reference to the module and use module.weight)"
+        )
+        return make_placeholder(f"{self.holder}.{self.attr}", self.shape, self.dtype, False, reason=reason)
+
+
+def _attributes_of(param: nn.Parameter, fqn: str) -> tuple[tuple[str, Any], ...]:
+    """The attributes ``param`` carries (its ``__dict__``), a parameter among them as a reference."""
+    ref = _ParameterReference
+    items = vars(param).items()
+    return tuple((k, ref(fqn, k, v.shape, v.dtype) if isinstance(v, nn.Parameter) else v) for k, v in items)
 
 
 # [Note: sharded placeholders]
@@ -200,6 +255,7 @@ class _ShardedPlaceholder(torch.Tensor):
 
     _fsdp_name: str
     _fsdp_owner: Callable[[], torch.Tensor | None] | None
+    _fsdp_reason: str | None  # why it stands where a value was expected (None: a sharded parameter)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -213,6 +269,11 @@ class _ShardedPlaceholder(torch.Tensor):
             changed = _set_requires_grad(args, kwargs or {})
             if changed is not None:
                 return changed
+        reason = next(
+            (a._fsdp_reason for a in args if isinstance(a, _ShardedPlaceholder) and a._fsdp_reason), None
+        )
+        if reason is not None:
+            raise RuntimeError(reason)
         name = next((a._fsdp_name for a in args if isinstance(a, _ShardedPlaceholder)), "a parameter")
         what = {"__set__": f"setting .{attr}", "__get__": f"reading .{attr}"}.get(
             func.__name__, f"{func.__name__}()"
@@ -253,14 +314,18 @@ def make_placeholder(
     dtype: torch.dtype,
     requires_grad: bool,
     owner: Callable[[], torch.Tensor | None] | None = None,
+    reason: str | None = None,
 ) -> torch.Tensor:
     """A stand-in for the sharded parameter ``name``. See [Note: sharded placeholders]. ``owner``
     gives the flat parameter that holds this parameter alone (``use_orig_params`` /
-    ``flatten_parameters=False``): setting ``requires_grad`` on the stand-in sets it there."""
+    ``flatten_parameters=False``): setting ``requires_grad`` on the stand-in sets it there.
+    ``reason``: the error any use of it raises, where it stands for something other than a sharded
+    parameter (an attribute referring to a parameter: see ``_ParameterReference``)."""
     data = torch.empty(shape, dtype=dtype, device="meta")
     placeholder = torch.Tensor._make_subclass(_ShardedPlaceholder, data, requires_grad)
     placeholder._fsdp_name = name
     placeholder._fsdp_owner = owner
+    placeholder._fsdp_reason = reason
     return placeholder
 
 
@@ -285,7 +350,8 @@ def make_placeholders(holder: _HoldsFlatParam) -> list[torch.Tensor]:
     alone = owner if len(holder.meta.params) == 1 else None
     flag = holder.flat_param.requires_grad
     return [
-        make_placeholder(info.fqn, info.shape, holder.meta.dtype, flag, alone) for info in holder.meta.params
+        carry_attributes(make_placeholder(info.fqn, info.shape, holder.meta.dtype, flag, alone), info)
+        for info in holder.meta.params
     ]
 
 

@@ -559,3 +559,71 @@ def test_a_model_built_in_another_process_with_a_stand_in_trains_once_given_the_
         assert len(r["before"]) == 4 and all("DummyProcessGroup" in b for b in r["before"]), r
         assert r["same"], f"rank {rank}: the model built elsewhere trains as one built here"
         assert r["set"] and r["used"], r  # the groups set after unpickling carry the gradient reductions
+
+
+# ---------------------------------------------------------------------- attributes set on parameters
+class _Scaled(nn.Module):
+    """Reads in forward an attribute it set on its own parameter (fairscale keeps the parameter object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.fc.weight.scale = 0.5  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.fc.weight.scale
+
+
+class _MevoLM(nn.Module):
+    """fairscale's shared-weight MEVO test model, small: MEVO links a trigger parameter to the
+    embedding's weight (``trigger._linked_param``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fairscale.experimental.nn import MEVO
+
+        self.emb = nn.Embedding(8, 4)
+        self.out = MEVO(self.emb.weight, tile_factor=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x), x)
+
+
+class _Holder(nn.Module):
+    """A root above an inner wrapper (as fairscale's tests nest them)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.inner(*args)  # type: ignore[no-any-return]
+
+
+def _attributes_in_forward(flatten: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = _Scaled()
+    torch.manual_seed(0)  # (a deepcopy would drop the attribute: torch copies a parameter without it)
+    model = FSDP(_Holder(FSDP(_Scaled(), flatten_parameters=flatten)))
+    x = torch.randn(2, 3)
+    outputs = [model(x), ref(x)]
+    outputs[0].sum().backward()
+    lm = FSDP(_Holder(FSDP(_MevoLM(), flatten_parameters=flatten)))
+    try:
+        lm(torch.tensor([[1, 2, 3]]))
+        mevo = "no error"
+    except (RuntimeError, AttributeError) as e:
+        mevo = f"{type(e).__name__}: {e}"
+    return {"same": torch.allclose(*outputs), "mevo": mevo}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("flatten", [False, True])
+def test_attributes_set_on_a_parameter_are_seen_in_forward(pool: RankPool, flatten: bool) -> None:
+    """An attribute a module set on its parameter is on what the module sees in forward, as on
+    fairscale's parameter objects (it raised AttributeError). One that refers to another parameter
+    (fairscale's MEVO) would hold stale values and get no gradient: any use of it raises, saying so."""
+    for r in pool.run(_attributes_in_forward, flatten):
+        assert r["same"], r
+        assert r["mevo"].startswith("RuntimeError") and "'_linked_param'" in r["mevo"], r["mevo"]
+        assert "refers to another parameter" in r["mevo"], r["mevo"]
