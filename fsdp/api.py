@@ -382,7 +382,8 @@ class MixedPrecision:
         if self.keep_low_precision_grads:
             raise NotImplementedError(
                 "MixedPrecision: keep_low_precision_grads=True is not supported: reduced gradients always land on "
-                "the fp32 master shard as fp32, where the optimizer steps. Leave it False"
+                "the fp32 master shard as fp32, where the optimizer, clip_grad_norm_ and the grad scaler read them. "
+                "Leave it False (set reduce_dtype for low-precision communication)"
             )
         classes = self._module_classes_to_ignore
         if not isinstance(classes, (tuple, list, set, frozenset)) or not all(
