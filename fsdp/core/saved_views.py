@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp.api import MemoryState
-from fsdp.core.flat_param import set_module_tensor
+from fsdp.core.flat_param import carry_attributes, set_module_tensor
 
 if TYPE_CHECKING:
     from fsdp.core.handle import FlatParamHandle
@@ -151,7 +151,8 @@ class RootForwardWatch:
             if h.state is MemoryState.UNSHARDED and not h._released:
                 flat = h.flat_param
                 part = flat if flat.numel() == shape.numel() else flat[: shape.numel()]
-                set_module_tensor(module, name, part.view(shape), as_parameter=False)
+                view = carry_attributes(part.view(shape), h.meta.params[0])
+                set_module_tensor(module, name, view, as_parameter=False)
 
     def __enter__(self) -> RootForwardWatch:
         self._hooks.__enter__()

@@ -170,3 +170,21 @@ def test_a_root_of_one_parameter_per_handle_steps_its_head_before_the_blocks(poo
     for per_parameter, flat in pool.run(_head_steps_before_the_blocks):
         assert per_parameter  # its gradient reached the handle, was reduced and stepped at once
         assert not flat  # one flat root: its gradient exists once the embedding's is there (the end)
+
+
+def _attribute_seen_in_forward() -> list[Any]:
+    plain = _plain()
+    plain.head.weight.tag = "head"  # type: ignore[attr-defined]  # (as fairscale's MEVO sets on its weight)
+    model = _wrapped(plain, {"flatten_parameters": False})
+    seen: list[Any] = []
+    inner = model.module.head
+    inner.register_forward_hook(lambda m, args, out: seen.append(getattr(m.weight, "tag", None)))
+    for _ in range(2):
+        _loss(model(_tokens(torch.Generator().manual_seed(0), 2))).backward()
+    return seen
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_a_view_made_as_the_module_is_called_keeps_the_parameters_attributes(pool: RankPool) -> None:
+    for seen in pool.run(_attribute_seen_in_forward):
+        assert seen == ["head", "head"], seen
