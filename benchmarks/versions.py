@@ -13,7 +13,9 @@ report gives each variant's median ratio to this checkout and to ``local`` over 
 quartiles. The model and batch are ``benchmarks.peers``' (the example's GPT, one wrapper per block
 plus the root, FULL_SHARD, fp32, AdamW, 8 sequences of 64 tokens per rank). ``--extra`` adds
 variants of this checkout: ``pp`` (the root with ``flatten_parameters=False``), ``in_backward``
-(``fsdp.optimizer_in_backward``) and ``in_backward_pp`` (both), each reported against ``this``.
+(``fsdp.optimizer_in_backward``) and ``in_backward_pp`` (both), and, to find what a step's time goes
+to, ``nocheck`` (no per-unit handshakes, as ``FSDP_CHECK_UNITS=0``) and ``norelease`` (the root keeps
+its full parameters through backward), each reported against ``this``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def _rank(args: argparse.Namespace, packages: list[str]) -> None:
     extra = [x for x in args.extra.split(",") if x]
     for x in extra:
         models[f"this_{x}"] = wrapped("fsdp", flatten_parameters=not x.endswith("pp"))
+    if "norelease" in extra:  # the root keeps its full parameters through backward, as before
+        models["this_norelease"]._releases_kept_full = lambda ctx: False  # type: ignore[assignment]
     models["local"] = copy.deepcopy(base)
     optims: dict[str, torch.optim.Optimizer] = {}
     for n, m in models.items():
@@ -113,6 +117,8 @@ def _rank(args: argparse.Namespace, packages: list[str]) -> None:
             seconds = step(name, x, y)
             if r > 0:  # round 0 warms up (lazy init, optimizer state)
                 times[name].append(seconds)
+            elif name == "this_nocheck":  # no per-unit handshakes (FSDP_CHECK_UNITS=0) from now on
+                models[name]._ctx.check_units = False  # type: ignore[union-attr]
         if rank == 0:
             print(f"round {r}/{args.rounds}", flush=True)
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -159,7 +165,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default="", help="also write OUT/versions.json and OUT/versions.md")
-    p.add_argument("--extra", default="", help="variants of this checkout: pp, in_backward, in_backward_pp")
+    p.add_argument(
+        "--extra",
+        default="",
+        help="variants of this checkout: pp, in_backward, in_backward_pp, nocheck, norelease",
+    )
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--packages", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
