@@ -15,7 +15,8 @@ plus the root, FULL_SHARD, fp32, AdamW, 8 sequences of 64 tokens per rank). ``--
 variants of this checkout: ``pp`` (the root with ``flatten_parameters=False``), ``in_backward``
 (``fsdp.optimizer_in_backward``) and ``in_backward_pp`` (both), and, to find what a step's time goes
 to, ``nocheck`` (no per-unit handshakes, as ``FSDP_CHECK_UNITS=0``) and ``norelease`` (the root keeps
-its full parameters through backward), each reported against ``this``.
+its full parameters through backward), each reported against ``this``; ``ddp`` adds torch's
+``DistributedDataParallel`` (its ratio to ``local`` is what communication costs any variant here).
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def _rank(args: argparse.Namespace, packages: list[str]) -> None:
         models[p.removeprefix("fsdp_")] = wrapped(p)
     extra = [x for x in args.extra.split(",") if x]
     for x in extra:
-        models[f"this_{x}"] = wrapped("fsdp", flatten_parameters=not x.endswith("pp"))
+        if x == "ddp":  # torch's DistributedDataParallel: what any communicating variant pays here
+            models["ddp"] = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        else:
+            models[f"this_{x}"] = wrapped("fsdp", flatten_parameters=not x.endswith("pp"))
     if "norelease" in extra:  # the root keeps its full parameters through backward, as before
         models["this_norelease"]._releases_kept_full = lambda ctx: False  # type: ignore[assignment]
     models["local"] = copy.deepcopy(base)
