@@ -19,11 +19,12 @@ gradient still flows into the flat parameter (a split's backward reads no data).
 the full parameter again in this backward (another pre-backward hook, a forward recomputed under
 activation checkpointing) gathers it again.
 
-Not tracked, so nothing is released early: tensors saved under hooks of the user's own
-(``save_on_cpu``; only the innermost pair of hooks runs, so ours would replace theirs) or inside an
-activation-checkpointed region (its own hooks), a graph kept with ``retain_graph=True`` (its saved
-tensors live on), and a view the user holds outside autograd (reading it after the release raises:
-the storage is empty, never stale).
+Nothing is released early where the count cannot be trusted: under hooks of the user's own
+(``save_on_cpu``; only the innermost pair of hooks runs, so ours would replace theirs), inside a
+``torch.compile``d call (a compiled backward may rebuild views of a parameter from its storage),
+after a module of the root's own region ran checkpointed (see :class:`RootForwardWatch`), and while
+a graph kept with ``retain_graph=True`` holds its saved tensors. A view the user holds outside
+autograd and reads after the release raises (the storage is empty), it is never stale.
 """
 
 from __future__ import annotations
@@ -169,13 +170,23 @@ class RootForwardWatch:
 _TOP: Callable[[bool], Any] = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: ())
 
 
+def _under_compile() -> bool:
+    """Whether this forward runs inside a ``torch.compile``d call (the compiler's frame callback is
+    set; our frames run eagerly but the modules' forwards are compiled): their backward may rebuild
+    views of the parameters from their storage, which the count cannot follow. True when torch does
+    not say."""
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    get = getattr(frames, "get_eval_frame_callback", None)
+    return get is None or get() is not None
+
+
 def watch_root_forward(handles: list[FlatParamHandle], region: set[int]) -> RootForwardWatch | None:
     """A :class:`RootForwardWatch` over ``handles`` and the ids of the modules of the root's own
     ``region`` (not entered), or None when nothing can be
     tracked: no full buffer allocated, saved-tensor hooks disabled, or hooks of someone else's
     active (``save_on_cpu``: only the innermost pair runs, so ours would replace them)."""
     enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-    if enabled is None or not enabled() or _TOP(False) is not None:
+    if enabled is None or not enabled() or _TOP(False) is not None or _under_compile():
         return None
     if all(h._full.untyped_storage().nbytes() == 0 for h in handles):
         return None
