@@ -66,7 +66,7 @@ from fsdp.core.saved_views import watch_root_forward
 from fsdp.wrapper.direct_call import DirectCallMethods, OpenForward
 from fsdp.wrapper.fairscale_attrs import FairscaleAttributes
 from fsdp.wrapper.grad_methods import GradientMethods
-from fsdp.wrapper.mixed_precision import buffers_in_dtypes, cast_inputs
+from fsdp.wrapper.mixed_precision import buffers_for_mode, cast_inputs
 from fsdp.wrapper.module_ops import ModuleOps
 from fsdp.wrapper.root_context import RootContext
 from fsdp.wrapper.shared_params import check_no_pending_ties
@@ -330,7 +330,7 @@ class WrapperBase(
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
         full = full_precision_in_eval(
-            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training, grad_enabled
+            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training
         )
         if not full:
             args, kwargs = self._cast_forward_inputs(args, kwargs)
@@ -356,9 +356,8 @@ class WrapperBase(
                     h.use_full_views(as_parameters=False, before_concat=hook)
                     if token is not None:
                         h.accumulators.note(token)
-            if full:  # FSDP_USE_FULL_PREC_IN_EVAL: buffers in their own dtype too
-                opened.buffers = buffers_in_dtypes(self._fsdp_wrapped_module, self._buffer_dtypes)
-                opened.buffers.__enter__()
+            if precision.mixed and self._torch_options.full_prec_in_eval:  # the buffers follow the mode
+                buffers_for_mode(self._fsdp_wrapped_module, self._buffer_dtypes, precision.buffer_dtype, full)
             if token is not None and self._releases_kept_full(self._ctx):
                 opened.saved = watch_root_forward(self.handles, self._own_region())
                 if opened.saved is not None:
@@ -407,9 +406,14 @@ class WrapperBase(
         The parameters are already gathered by the pre-backward hook and are freed by the
         post-backward hook, so this only points the module at them and runs it.
         """
-        args, kwargs = self._cast_forward_inputs(args, kwargs)
+        precision = self.fsdp_config.precision
+        full = full_precision_in_eval(
+            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training
+        )
+        if not full:
+            args, kwargs = self._cast_forward_inputs(args, kwargs)
         for h in self.handles:
-            h.unshard()
+            h.unshard(full)
             h.use_full_views(as_parameters=False)
             if torch.is_grad_enabled():
                 h.accumulators.note(None)
@@ -488,12 +492,17 @@ class WrapperBase(
         set_activity("the backward", self._path)
         # Views with autograd history, for a forward recomputed inside this backward (activation
         # checkpointing inside the wrapper reads the module's attributes again).
+        # as its forward did: a full-precision one (eval mode still) saved views of the fp32 full buffer
+        precision = self.fsdp_config.precision
+        full = full_precision_in_eval(
+            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training
+        )
         with torch.enable_grad(), record_function("FSDP::pre_backward"):
             for h in self.handles:
-                h.prefetch()
+                h.prefetch(full)
             ctx.scheduler.on_backward(self)  # the next unit's gather overlaps this backward
             for h in self.handles:
-                h.unshard()
+                h.unshard(full)
                 h.prepare_gradient_for_backward()
                 h.use_full_views(as_parameters=False)
                 h.accumulators.note(None)  # (a forward recomputed in this backward reads these views)

@@ -14,6 +14,7 @@ materializes only once every option (of the children's wrappers too) passed step
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,7 @@ def build_config(module: nn.Module, options: dict[str, Any], is_wrapper: Callabl
     })  # fmt: skip
     groups = resolve_groups(strategy, options["process_group"])
     rs_group, dp_size, pre = _reduction(groups, strategy, options)
+    strategy = _one_rank_strategy(strategy, options["process_group"])  # (the same groups at one rank)
     target = materialize_device(compute_device, offload.params_to_cpu, groups.dp)
     collected, _, inner = collect_owned(module, is_wrapper, ignored)
     if options["auto_wrap_policy"] is not None:
@@ -253,6 +255,28 @@ def _check_can_wrap(module: nn.Module, options: dict[str, Any]) -> None:
             "FullyShardedDataParallel: sync_module_states=True broadcasts over the process group, but a "
             "stand-in with rank() and size() cannot communicate; pass the real group"
         )
+
+
+def _one_rank_strategy(strategy: ShardingStrategy, process_group: Any) -> ShardingStrategy:
+    """torch FSDP1's rule for a job of one rank: nothing is sharded, so the strategy is ``NO_SHARD``,
+    with torch's warning (its tests match its words). At one rank the groups, shards and full
+    parameters are the same under every strategy (``resolve_groups``), so only the strategy's name
+    changes. A stand-in group (fairseq's one-rank experts) and a ``(shard, replicate)`` pair keep
+    the strategy given."""
+    if (
+        strategy is ShardingStrategy.NO_SHARD
+        or isinstance(process_group, tuple)
+        or is_stand_in(process_group)
+        or dist.get_world_size() != 1
+    ):
+        return strategy
+    warnings.warn(
+        f"FullyShardedDataParallel: FSDP is switching to use `NO_SHARD` instead of {strategy} since the world "
+        "size is 1.",
+        UserWarning,
+        stacklevel=4,  # (the constructor's caller: through build_config and __init__)
+    )
+    return ShardingStrategy.NO_SHARD
 
 
 def _reduction(

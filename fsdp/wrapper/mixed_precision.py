@@ -6,9 +6,8 @@ reduction, lives with the tensors in :mod:`fsdp.core.handle`; see [Note: flat pa
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 
 from fsdp.api import MixedPrecision, PrecisionConfig, from_torch_fsdp
 
-__all__ = ["buffers_in_dtypes", "cast_inputs", "move_owned_buffers", "resolve_precision"]
+__all__ = ["buffers_for_mode", "cast_inputs", "move_owned_buffers", "resolve_precision"]
 
 
 def resolve_precision(
@@ -191,25 +190,19 @@ def move_owned_buffers(
     return original
 
 
-@contextlib.contextmanager
-def buffers_in_dtypes(module: nn.Module, dtypes: Mapping[str, torch.dtype]) -> Iterator[None]:
-    """Inside, each buffer named in ``dtypes`` (relative to ``module``) is a copy in that dtype where it
-    differs; on exit the copies are written back (cast) into the buffers, which are put back. A
-    full-precision forward in eval mode (torch's ``FSDP_USE_FULL_PREC_IN_EVAL``) runs this way."""
-    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for name, dtype in dtypes.items():
+def buffers_for_mode(
+    module: nn.Module, original: Mapping[str, torch.dtype], buffer_dtype: torch.dtype | None, full: bool
+) -> None:
+    """torch's rule under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` for the buffers a wrapper owns (named in
+    ``original``, relative to ``module``, with their dtypes before wrapping): a full-precision forward
+    (eval) puts them back in their own dtypes, where they stay until a forward in the compute dtype
+    casts the floating ones to ``buffer_dtype`` again. A buffer is copied only when its dtype changes."""
+    for name, dtype in original.items():
+        if not full and (buffer_dtype is None or not dtype.is_floating_point):
+            continue
         owner_path, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_path)
         kept = owner._buffers.get(attr)
-        if kept is not None and kept.dtype != dtype:
-            owner._buffers[attr] = kept.to(dtype)
-            swapped.append((owner, attr, kept))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for owner, attr, kept in swapped:
-                used = owner._buffers[attr]
-                if used is not None:
-                    kept.copy_(used)
-                owner._buffers[attr] = kept
+        target = dtype if full else buffer_dtype
+        if kept is not None and kept.dtype != target:
+            owner._buffers[attr] = kept.to(target)

@@ -28,6 +28,11 @@ from fsdp.state import state_dict as sd_impl
 __all__ = ["StateDictMethods"]
 
 
+class StateDictConfigError(TypeError, RuntimeError):
+    """A state-dict config of the wrong kind for its state-dict type: a ``TypeError``, and the
+    ``RuntimeError`` torch FSDP1 raises there (code written for either catches it)."""
+
+
 class StateDictMethods(WrapperMixin):
     """Full, local, sharded and consolidated state dicts; optimizer state gathered, sharded or in DCP form."""
 
@@ -121,9 +126,10 @@ class StateDictMethods(WrapperMixin):
         ):
             expected = f"{_KIND_PREFIX[state_dict_type]}{suffix}"
             if config is not None and type(config).__name__ not in (expected, suffix):
-                raise TypeError(
-                    f"FullyShardedDataParallel.state_dict_type: {state_dict_type.name} takes a {expected}, got "
-                    f"{type(config).__name__}"
+                what = "state_dict_config" if suffix == "StateDictConfig" else "optim_state_dict_config"
+                raise StateDictConfigError(  # (torch's first sentence, which its tests match)
+                    f"FullyShardedDataParallel.state_dict_type: Expected {what} of type {expected} but got "
+                    f"{type(config)}: {state_dict_type.name} takes a {expected}, got {type(config).__name__}"
                 )
         previous = (
             wrappers[0]._state_dict_settings if wrappers else StateDictSettings(StateDictType.FULL_STATE_DICT)

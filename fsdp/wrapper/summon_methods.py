@@ -63,9 +63,10 @@ class SummonMethods(WrapperMixin):
                 )
             volatile = not writeback
         if rank0_only and not volatile:
-            raise NotImplementedError(
-                "FullyShardedDataParallel.summon_full_params: rank0_only=True writes nothing back (the other "
-                "ranks see no full parameters to change); pass writeback=False (or volatile=True) with it"
+            raise NotImplementedError(  # (torch's words, which its tests match)
+                "FullyShardedDataParallel.summon_full_params: writeback=True and rank0_only=True is not supported: "
+                "rank0_only=True writes nothing back (the other ranks see no full parameters to change); pass "
+                "writeback=False (or volatile=True) with it"
             )
         if offload_to_cpu and self.compute_device.type != "cpu":
             raise NotImplementedError(

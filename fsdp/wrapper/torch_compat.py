@@ -131,20 +131,12 @@ def torch_options_of(options: Mapping[str, Any], by_torch_policy: bool = False) 
     )
 
 
-def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool, grad_enabled: bool) -> bool:
-    """Whether a forward runs in full precision under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` (torch's
-    switch): in eval mode, under mixed precision. With gradients enabled it does not (a backward
-    would reduce full-precision gradients where the compute dtype's are expected): warned once."""
-    if not (options.full_prec_in_eval and mixed and not training):
-        return False
-    if grad_enabled:
-        warnings.warn(
-            f"FullyShardedDataParallel: {FULL_PREC_IN_EVAL}=1 applies to eval-mode forwards without gradients; "
-            "this one runs with gradients enabled, in the compute dtype. Wrap evaluation in torch.no_grad()",
-            stacklevel=5,  # (the user's model(x): through forward and nn.Module's call)
-        )
-        return False
-    return True
+def full_precision_in_eval(options: TorchOptions, mixed: bool, training: bool) -> bool:
+    """Whether a forward, and the backward of its outputs, run in full precision under
+    ``FSDP_USE_FULL_PREC_IN_EVAL=1`` (torch's switch): in eval mode under mixed precision, with or
+    without gradients. The inputs are then left as they are, the fp32 master shards are gathered,
+    and the owned buffers are in their own dtypes (:func:`~fsdp.wrapper.mixed_precision.buffers_for_mode`)."""
+    return options.full_prec_in_eval and mixed and not training
 
 
 def check_full_prec_in_eval(wrappers: Sequence[Wrapper]) -> None:

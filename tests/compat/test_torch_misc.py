@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,37 +168,53 @@ def _precision_in_eval(env: str | None) -> dict[str, Any]:
     ref.eval()
     with torch.no_grad():
         out, expected = model(x), ref(x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model(x)  # eval with gradients enabled
+    buffer_after_eval = model.module.bn.running_mean.dtype
+    model.zero_grad()
+    with_grad = model(x)  # eval with gradients enabled, and its backward (torch's test_eval_root_cast_inputs)
+    with_grad.float().sum().backward()
+    ref(x).sum().backward()
+    grads = [(p.grad.dtype, p.grad.shape) for p in model.parameters() if p.grad is not None]
+    with FSDP.summon_full_params(model, with_grads=True):
+        grad_error = max(  # relative to the largest gradient of the tensor
+            ((p.grad.float() - q.grad).abs().max() / q.grad.abs().max()).item()
+            for p, q in zip(model.module.parameters(), ref.parameters(), strict=True)
+        )
+    model.train()
+    model(x)
     return {
         "seen": model.module.seen,
         "out_dtype": out.dtype,
+        "with_grad_dtype": with_grad.dtype,
         "error": (out.float() - expected).abs().max().item(),
-        "buffer_after": model.module.bn.running_mean.dtype,
-        "warned": [str(w.message) for w in caught if "FSDP_USE_FULL_PREC_IN_EVAL" in str(w.message)],
+        "grad_error": grad_error,
+        "grads": grads,
+        "buffer_after_eval": buffer_after_eval,
+        "buffer_after_train": model.module.bn.running_mean.dtype,
     }
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
 @pytest.mark.parametrize("env", ["1", None, "0"])  # torch turns it on for "1" only
 def test_full_precision_in_eval(pool: RankPool, env: str | None) -> None:
-    """torch's ``test_full_precision_in_eval`` and ``_buffers``: with the variable set, an eval-mode
-    forward without gradients computes in fp32 (parameters, buffers, the root's input uncast: torch's
-    ``test_eval_root_cast_inputs``) and matches the fp32 model; training, and eval without it, run in
-    bf16. With gradients enabled it warns and runs in bf16."""
+    """torch's ``test_full_precision_in_eval``, ``_buffers`` and ``test_eval_root_cast_inputs``: with the
+    variable set, an eval-mode forward computes in fp32 (parameters, buffers, the root's input uncast),
+    with gradients enabled too, and matches the fp32 model, its backward as well; the buffers stay in
+    their own dtype until a forward in training mode casts them back. Training, and eval without the
+    variable, run in bf16."""
     for r in pool.run(_precision_in_eval, env):
-        train, eval_, eval_grad = r["seen"]
-        assert train == (BF16, BF16, BF16)
-        assert r["buffer_after"] == BF16, "the buffers are kept in the compute dtype between forwards"
+        train, eval_, eval_grad, train_again = r["seen"]
+        assert train == train_again == (BF16, BF16, BF16)
+        assert r["buffer_after_train"] == BF16, "a forward in training mode casts the buffers back"
+        assert r["grads"] and all(dtype == F32 for dtype, _ in r["grads"]), r["grads"]
         if env == "1":
-            assert eval_ == (F32, F32, F32)
-            assert r["out_dtype"] == F32 and r["error"] < 1e-5, r
-            assert eval_grad == (BF16, BF16, BF16) and len(r["warned"]) == 1
+            assert eval_ == eval_grad == (F32, F32, F32)
+            assert r["out_dtype"] == r["with_grad_dtype"] == F32 and r["error"] < 1e-5, r
+            assert r["buffer_after_eval"] == F32, "torch keeps them in full precision after an eval forward"
+            assert r["grad_error"] < 1e-2, r  # (reduced in bf16: reduce_dtype)
         else:
-            assert eval_ == (BF16, BF16, BF16)
-            assert r["out_dtype"] == BF16 and r["error"] > 1e-4, r
-            assert eval_grad == (BF16, BF16, BF16) and not r["warned"]
+            assert eval_ == eval_grad == (BF16, BF16, BF16)
+            assert r["out_dtype"] == r["with_grad_dtype"] == BF16 and r["error"] > 1e-4, r
+            assert r["buffer_after_eval"] == BF16
 
 
 def test_full_precision_in_eval_is_one_value_for_the_tree(single_rank_group: None) -> None:
@@ -211,3 +226,13 @@ def test_full_precision_in_eval_is_one_value_for_the_tree(single_rank_group: Non
         model = FSDP(net, mixed_precision=mp)
     with pytest.raises(ValueError, match="FSDP_USE_FULL_PREC_IN_EVAL=1 was set when 1 of the 2 wrappers"):
         model(torch.randn(1, 2))
+
+
+def test_summon_with_rank0_only_and_writeback_is_refused_in_torchs_words(single_rank_group: None) -> None:
+    """torch's ``test_rank0_only_with_writeback_raises`` (and ``test_offload_to_cpu_no_shard_raises``,
+    which makes the same call under ``NO_SHARD``)."""
+    for strategy in (torch_fsdp.ShardingStrategy.FULL_SHARD, torch_fsdp.ShardingStrategy.NO_SHARD):
+        model = FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), sharding_strategy=strategy)
+        with pytest.raises(NotImplementedError, match="is not supported"):
+            with FSDP.summon_full_params(model, rank0_only=True, writeback=True):
+                pass

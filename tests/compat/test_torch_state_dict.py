@@ -163,13 +163,20 @@ def test_state_dict_type_settings_come_back_and_configs_are_checked(single_rank_
     with FSDP.state_dict_type(model, torch_fsdp.StateDictType.LOCAL_STATE_DICT):
         assert {w._state_dict_type for w in FSDP.fsdp_modules(model)} == {fsdp.StateDictType.LOCAL_STATE_DICT}
     assert {w._state_dict_type for w in FSDP.fsdp_modules(model)} == {fsdp.StateDictType.FULL_STATE_DICT}
-    with pytest.raises(
-        TypeError, match="FULL_STATE_DICT takes a FullStateDictConfig, got LocalStateDictConfig"
-    ):
-        with FSDP.state_dict_type(
-            model, torch_fsdp.StateDictType.FULL_STATE_DICT, torch_fsdp.LocalStateDictConfig()
-        ):
-            pass
+    for expected in (RuntimeError, TypeError):  # torch's type, and the one this library raised before
+        with pytest.raises(expected, match="Expected state_dict_config of type") as caught:
+            with FSDP.state_dict_type(
+                model, torch_fsdp.StateDictType.FULL_STATE_DICT, torch_fsdp.LocalStateDictConfig()
+            ):
+                pass
+        assert "FULL_STATE_DICT takes a FullStateDictConfig, got LocalStateDictConfig" in str(caught.value)
+    with pytest.raises(RuntimeError, match="Expected optim_state_dict_config of type"):
+        FSDP.set_state_dict_type(
+            model,
+            torch_fsdp.StateDictType.SHARDED_STATE_DICT,
+            torch_fsdp.ShardedStateDictConfig(),
+            torch_fsdp.FullOptimStateDictConfig(),
+        )
 
 
 class SkipModel(nn.Module):

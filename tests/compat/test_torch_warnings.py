@@ -60,3 +60,34 @@ def test_full_precision_units_are_announced_in_torchs_words(single_rank_group: N
     assert (
         isinstance(model.module[1], FSDP) and model.module[1].mixed_precision == torch_fsdp.MixedPrecision()
     )
+
+
+def test_one_rank_switches_to_no_shard_with_torchs_warning(single_rank_group: None) -> None:
+    """torch's ``test_world_size_1_sharding_strategy_warning``: at one rank every strategy is
+    ``NO_SHARD``, warned in torch's words; ``NO_SHARD`` itself, and a stand-in group (fairseq's
+    one-rank experts), are not warned about."""
+    prefix = "FSDP is switching to use `NO_SHARD` instead of"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP(nn.Linear(3, 3), sharding_strategy=torch_fsdp.ShardingStrategy.NO_SHARD)
+        FSDP(nn.Linear(3, 3), process_group=_OneRank())
+    assert not [w for w in caught if prefix in str(w.message)]
+    for given, name in [
+        ({"sharding_strategy": torch_fsdp.ShardingStrategy.FULL_SHARD}, "FULL_SHARD"),
+        ({}, "FULL_SHARD"),
+        ({"sharding_strategy": torch_fsdp.ShardingStrategy.SHARD_GRAD_OP}, "SHARD_GRAD_OP"),
+    ]:
+        pattern = f"{prefix} {torch_fsdp.ShardingStrategy[name]} since the world size is 1."
+        with pytest.warns(UserWarning, match=pattern):
+            model = FSDP(nn.Linear(3, 3), **given)
+        assert model.sharding_strategy == torch_fsdp.ShardingStrategy.NO_SHARD
+
+
+class _OneRank:
+    """fairscale's ``DummyProcessGroup(rank=0, size=1)``."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1

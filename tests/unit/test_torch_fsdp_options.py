@@ -14,6 +14,7 @@ from torch import nn
 
 import fsdp
 from fsdp import FullyShardedDataParallel as FSDP
+from fsdp.comm.topology import resolve_strategy
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -120,8 +121,13 @@ def test_hybrid_shard_zero2_keeps_full_parameters_for_backward(
 ) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     for value in (torch_fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2, fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2):
-        sharding = FSDP(nn.Linear(2, 2), sharding_strategy=value).fsdp_config.sharding
-        assert sharding.strategy is fsdp.ShardingStrategy.HYBRID_SHARD and not sharding.reshard_after_forward
+        resolved = resolve_strategy(fsdp.api.from_torch_fsdp(value), True)
+        assert resolved == (fsdp.ShardingStrategy.HYBRID_SHARD, False)
+        with pytest.warns(
+            UserWarning, match="instead of ShardingStrategy.HYBRID_SHARD since the world size is 1"
+        ):
+            sharding = FSDP(nn.Linear(2, 2), sharding_strategy=value).fsdp_config.sharding
+        assert sharding.strategy is fsdp.ShardingStrategy.NO_SHARD and not sharding.reshard_after_forward
 
 
 @pytest.mark.parametrize(
@@ -136,6 +142,9 @@ def test_hybrid_shard_zero2_keeps_full_parameters_for_backward(
 def test_backward_prefetch_takes_torchs_values(single_rank_group: None, value: Any, expected: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings(
+            "ignore", message=".*switching to use `NO_SHARD`"
+        )  # (one rank: torch's warning)
         model = FSDP(nn.Linear(2, 2), backward_prefetch=value)
     assert model.fsdp_config.schedule.backward_prefetch is expected
 
@@ -144,6 +153,9 @@ def test_backward_prefetch_takes_torchs_values(single_rank_group: None, value: A
 def test_backward_post_prefetches_after_the_reduction(single_rank_group: None, enum: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings(
+            "ignore", message=".*switching to use `NO_SHARD`"
+        )  # (one rank: torch's warning)
         post = FSDP(nn.Linear(2, 2), backward_prefetch=enum.BACKWARD_POST).fsdp_config.schedule
         pre = FSDP(nn.Linear(2, 2), backward_prefetch=enum.BACKWARD_PRE).fsdp_config.schedule
     assert post.backward_prefetch and post.backward_prefetch_post
