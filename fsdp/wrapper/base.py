@@ -375,8 +375,6 @@ class WrapperBase(
         try:
             if opened.saved is not None:
                 opened.saved.__exit__(None, None, None)
-            if opened.buffers is not None:
-                opened.buffers.__exit__(None, None, None)
             # Under no_grad no backward follows: nothing is worth keeping. Inside
             # no_sync(keep_full_params=True) the full parameters stay until the next forward.
             # See [Note: no_sync].

@@ -117,14 +117,11 @@ class DirectCallHooks:
 class OpenForward:
     """A forward of a wrapper between its start and its end (``_begin_forward`` / ``_end_forward``)."""
 
-    __slots__ = ("buffers", "range", "saved", "token")
+    __slots__ = ("range", "saved", "token")
 
     def __init__(self, token: GraphToken | None, range: contextlib.AbstractContextManager[Any]) -> None:
         self.token = token  # the forward's GraphToken (None under no_grad: no backward follows)
         self.range = range  # the profiler range FSDP::forward, entered
-        self.buffers: contextlib.AbstractContextManager[Any] | None = (
-            None  # buffers in full precision, entered
-        )
         self.saved: Any = None  # the root's RootForwardWatch (fsdp/core/saved_views.py), entered
 
 
