@@ -28,7 +28,7 @@ from torch import nn
 
 from fsdp.comm.consistency import CHECKPOINT_WRAPPED, plain_name
 
-__all__ = ["OptimizerView", "finish", "keyed_by_name", "view_of"]
+__all__ = ["OptimizerView", "finish", "keyed_by_name", "names_of", "view_of"]
 
 
 class OptimizerView:
@@ -125,6 +125,18 @@ def finish(out: dict[str, Any], given: Mapping[str, Any], view: OptimizerView, w
     return out
 
 
+def names_of(params: list[Any], name_of: dict[int, str], where: str, why: str = "") -> list[str]:
+    """The name ``name_of`` (parameter id -> name) gives each of ``params``; a ``ValueError`` saying how
+    many are not the model's (``why``: what that prevents) otherwise."""
+    strangers = sum(id(p) not in name_of for p in params)
+    if strangers:
+        raise ValueError(
+            f"{where}: {strangers} of the optimizer's parameters are not parameters of `model`{why}; pass the "
+            "model the optimizer was built over"
+        )
+    return [name_of[id(p)] for p in params]
+
+
 def keyed_by_name(shard: dict[str, Any], optim: Any, model: nn.Module, where: str) -> dict[str, Any]:
     """``shard`` (keyed by ids in ``optim``'s order) keyed by the names ``model.named_parameters()``
     gives the optimizer's parameters instead, what a named optimizer's ``load_state_dict`` takes;
@@ -133,13 +145,7 @@ def keyed_by_name(shard: dict[str, Any], optim: Any, model: nn.Module, where: st
     for name, p in model.named_parameters(remove_duplicate=False):
         name_of.setdefault(id(p), name)
     params = [p for group in optim.param_groups for p in group["params"]]
-    nameless = sum(id(p) not in name_of for p in params)
-    if nameless:
-        raise ValueError(
-            f"{where}: {nameless} of the optimizer's parameters are not parameters of `model`, so they have no "
-            "name to be keyed by (is_named_optimizer=True); pass the model the optimizer was built over"
-        )
-    keys = [name_of[id(p)] for p in params]
+    keys = names_of(params, name_of, where, ", so they have no name to be keyed by (is_named_optimizer=True)")
 
     def key(i: Any) -> Any:
         return keys[i] if isinstance(i, int) and 0 <= i < len(keys) else i

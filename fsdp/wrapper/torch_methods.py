@@ -477,13 +477,7 @@ class TorchFSDPMethods(WrapperMixin):
             if optim is not None
             else list(model.parameters())
         )
-        strangers = sum(id(p) not in name_of for p in params)
-        if strangers:
-            raise ValueError(
-                f"FullyShardedDataParallel.rekey_optim_state_dict: {strangers} of the optimizer's parameters are not "
-                "parameters of `model`; pass the model the optimizer was built over"
-            )
-        names = [name_of[id(p)] for p in params]
+        names = optim_given.names_of(params, name_of, "FullyShardedDataParallel.rekey_optim_state_dict")
         groups = optim_state_dict["param_groups"]
         keys = [k for g in groups for k in g["params"]]
         if len({type(k) for k in [*keys, *optim_state_dict["state"]]} & {str, int}) > 1:
