@@ -438,8 +438,9 @@ def agree_on_unit(root: Any, wrapper: Any) -> None:
     def explain(control: dist.ProcessGroup) -> NoReturn:
         shown = {"the unit it runs": wrapper._path, "torch.is_grad_enabled()": str(torch.is_grad_enabled())}
         lines = _differences(control, shown)
-        raise RuntimeError(
-            "FullyShardedDataParallel: inside the forward of the root the ranks run different wrapped units (a "
+        raise RuntimeError(  # (torch's first sentence, which its tests match, then ours)
+            "Forward order differs across ranks: FullyShardedDataParallel: inside the forward of the root the ranks "
+            "run different wrapped units (a "
             "branch taken on some ranks only, or a module skipped on some): every rank must run the same "
             "wrapped modules in the same order, in training and in evaluation alike:\n  " + "\n  ".join(lines)
         )

@@ -236,3 +236,31 @@ def test_summon_with_rank0_only_and_writeback_is_refused_in_torchs_words(single_
         with pytest.raises(NotImplementedError, match="is not supported"):
             with FSDP.summon_full_params(model, rank0_only=True, writeback=True):
                 pass
+
+
+class _Swapped(nn.Module):
+    """torch's ``test_invalid_first_iter_order``: the ranks run two wrapped layers in opposite orders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = FSDP(nn.Linear(4, 4)), FSDP(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.a, self.b) if torch.distributed.get_rank() == 0 else (self.b, self.a)
+        return second(first(x))  # type: ignore[no-any-return]
+
+
+def _run_in_opposite_orders() -> str:
+    model = FSDP(_Swapped())
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_units_run_in_another_order_on_some_ranks_fail_in_torchs_words(pool: RankPool) -> None:
+    for msg in pool.run(_run_in_opposite_orders, timeout=60):
+        assert msg.startswith("Forward order differs across ranks"), msg
