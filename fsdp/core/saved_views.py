@@ -149,7 +149,7 @@ class RootForwardWatch:
                 views.unsure = True
             return
         for h, name, shape in self._owners.get(id(module), ()):
-            if h.state is MemoryState.UNSHARDED and not h._released:
+            if h.state is MemoryState.UNSHARDED and not h.released:
                 flat = h.flat_param
                 part = flat if flat.numel() == shape.numel() else flat[: shape.numel()]
                 view = carry_attributes(part.view(shape), h.meta.params[0])

@@ -329,9 +329,7 @@ class WrapperBase(
         set_activity("the forward", self._path)
         grad_enabled = torch.is_grad_enabled()
         precision = self.fsdp_config.precision
-        full = full_precision_in_eval(
-            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training
-        )
+        full = self._full_precision_now()
         if not full:
             args, kwargs = self._cast_forward_inputs(args, kwargs)
         scheduler = self._ctx.scheduler
@@ -404,10 +402,7 @@ class WrapperBase(
         The parameters are already gathered by the pre-backward hook and are freed by the
         post-backward hook, so this only points the module at them and runs it.
         """
-        precision = self.fsdp_config.precision
-        full = full_precision_in_eval(
-            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training
-        )
+        full = self._full_precision_now()
         if not full:
             args, kwargs = self._cast_forward_inputs(args, kwargs)
         for h in self.handles:
@@ -416,6 +411,12 @@ class WrapperBase(
             if torch.is_grad_enabled():
                 h.accumulators.note(None)
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _full_precision_now(self) -> bool:
+        """Whether this wrapper's forward (and so its backward and a recomputation) runs in full
+        precision now: ``FSDP_USE_FULL_PREC_IN_EVAL=1``, mixed precision, eval mode."""
+        mixed = self.fsdp_config.precision.mixed
+        return full_precision_in_eval(self._torch_options, mixed, self._fsdp_wrapped_module.training)
 
     def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Inputs to the compute dtype: under a ``MixedPrecision`` every floating one, recorded by autograd
@@ -491,10 +492,7 @@ class WrapperBase(
         # Views with autograd history, for a forward recomputed inside this backward (activation
         # checkpointing inside the wrapper reads the module's attributes again).
         # as its forward did: a full-precision one (eval mode still) saved views of the fp32 full buffer
-        precision = self.fsdp_config.precision
-        full = full_precision_in_eval(
-            self._torch_options, precision.mixed, self._fsdp_wrapped_module.training
-        )
+        full = self._full_precision_now()
         with torch.enable_grad(), record_function("FSDP::pre_backward"):
             for h in self.handles:
                 h.prefetch(full)
