@@ -49,7 +49,6 @@ from fsdp.common.device import DeviceHandle, SideCopies
 from fsdp.core.flat_param import (
     FlatParamMeta,
     _Entry,
-    is_placeholder,
     make_meta,
     make_placeholders,
     set_module_tensor,
@@ -57,6 +56,8 @@ from fsdp.core.flat_param import (
 )
 from fsdp.core.grad_hooks import AccumulatorHooks
 from fsdp.core.handle_grads import GRAD_TRANSITIONS, GradState, HandleGradients, _same_bits
+from fsdp.core.param_attrs import carry_attributes, linked_indices, linked_version, record_places
+from fsdp.core.placeholders import is_placeholder
 from fsdp.core.saved_views import SavedViews
 from fsdp.core.sharding import ShardSpec, shard_spec
 
@@ -145,6 +146,10 @@ class FlatParamHandle(HandleGradients):
     saved_views: SavedViews  # views of ``_full`` autograd holds: see [Note: releasing kept full parameters]
     _released: bool  # UNSHARDED, with ``_full`` freed in backward by release_full_early()
     finish_soon: bool  # see _post_backward in fsdp/wrapper/base.py
+    # the views set in forward of the parameters some link points at, by index in meta.params (see
+    # [Note: linked parameters] in fsdp/core/param_attrs.py); empty for nearly every handle
+    linked_views: list[tuple[int, torch.Tensor]]
+    _linked: tuple[int, tuple[int, ...]]  # (linked_version() when computed, the linked indices)
 
     def __init__(
         self,
@@ -157,6 +162,7 @@ class FlatParamHandle(HandleGradients):
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
     ) -> None:
+        record_places((e.param, module_of[e.module_name], e.param_name) for e in entries)
         self.meta = make_meta(entries, shared)
         self.comm = comm
         self.leave_root()  # (until the first forward's root hands over its objects)
@@ -198,6 +204,8 @@ class FlatParamHandle(HandleGradients):
         self.saved_views = SavedViews(self)
         self._released = False
         self.finish_soon = False  # released early: its reduction is finished at the next pre-backward
+        self.linked_views = []
+        self._linked = (-1, ())
         self.accumulators = AccumulatorHooks(self.flat_param)
         self._placeholders = make_placeholders(self)
         self.remove_module_tensors()
@@ -456,6 +464,8 @@ class FlatParamHandle(HandleGradients):
         full parameters] in fsdp/core/saved_views.py."""
         if self.state is not MemoryState.UNSHARDED or self._active is not self._full or self.aliased:
             return
+        if self.linked_views:  # (a gradient set by hand sits on a view: see [Note: linked parameters])
+            return
         self.memory.add(-_free_storage(self._full))
         self._released = True
         self.remove_module_tensors()
@@ -536,6 +546,22 @@ class FlatParamHandle(HandleGradients):
                 getattr(primary, self.meta.params[sinfo.primary].param_name),
                 as_parameters,
             )
+        if not as_parameters:  # what modules compute with: the originals' attributes, the linked views
+            for i in self.meta.attributed:  # (after every view is set: a link may point into this handle)
+                carry_attributes(views[i], self.meta.params[i])
+            self.linked_views = [(i, views[i]) for i in self.linked_indices()]
+
+    def linked_indices(self) -> tuple[int, ...]:
+        """The indices in ``meta.params`` of the parameters some link points at (by any of their
+        names). See [Note: linked parameters] in fsdp/core/param_attrs.py."""
+        version = linked_version()
+        if self._linked[0] != version:
+            places = [(m, p.param_name) for p, m in zip(self.meta.params, self.modules, strict=True)]
+            found = set(linked_indices(places))
+            shared = [(m, s.param_name) for s, m in zip(self.meta.shared, self.shared_modules, strict=True)]
+            found.update(self.meta.shared[j].primary for j in linked_indices(shared))
+            self._linked = (version, tuple(sorted(found)))
+        return self._linked[1]
 
     def _check_placeholders(self) -> None:
         """Refuse a module attribute replaced while sharded (``layer.weight = nn.Parameter(...)``): the

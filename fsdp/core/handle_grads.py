@@ -87,6 +87,7 @@ from fsdp.api import MemoryState, check_transition
 from fsdp.comm.collectives import CommStats, Pending, all_gather, all_reduce, reduce_scatter
 from fsdp.common import memory_tags
 from fsdp.core.flat_param import unflatten_views
+from fsdp.core.param_attrs import take_hand_set_grad
 
 if TYPE_CHECKING:  # annotations only: the handle imports this module
     from fsdp.api import CommConfig
@@ -169,6 +170,8 @@ class HandleGradients:
         @property
         def shard_device(self) -> torch.device: ...
         def reshard(self, free_full: bool = True) -> None: ...
+
+        linked_views: list[tuple[int, torch.Tensor]]
 
     # ------------------------------------------------------------------ summon with gradients
     def gather_grad(self) -> None:
@@ -321,6 +324,34 @@ class HandleGradients:
             self._pending = Pending(None, grad)
         self._set_grad_state(GradState.REDUCING)
         self.reshard(free_full=True)
+
+    def fold_hand_set_grads(self) -> None:
+        """Add the gradients set by hand on the linked views into the flat gradient (full, this
+        backward's), before it is reduced. See [Note: linked parameters] in fsdp/core/param_attrs.py."""
+        for i, view in self.linked_views:
+            hand_set = take_hand_set_grad(view)
+            if hand_set is not None:
+                grad = self.flat_param.grad
+                if (
+                    grad is None
+                ):  # (autograd ran the accumulator with no gradient: a custom function gave None)
+                    grad = self.flat_param.grad = torch.zeros_like(self.flat_param)
+                info = self.meta.params[i]
+                grad[info.offset : info.offset + info.numel].add_(hand_set.reshape(-1))
+
+    def check_no_hand_set_grads(self, path: str) -> None:
+        """At the end of backward: a gradient set by hand on a linked view that no post-backward
+        folded in (no gradient from autograd reached the flat parameter) would be lost."""
+        views, self.linked_views = self.linked_views, []
+        for i, view in views:
+            if take_hand_set_grad(view) is not None:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: a gradient was set by hand on {self.meta.params[i].fqn!r} of "
+                    f"{path!r} in backward, but no gradient from autograd reached the parameters it is flattened "
+                    "with, so nothing reduced it. Let autograd see the parameter (return a gradient for it from "
+                    "the custom function, even zeros), or wrap it with flatten_parameters=True beside one that "
+                    "gets a gradient"
+                )
 
     def discard_accumulated_grad(self) -> None:
         """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""

@@ -38,7 +38,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp.api import MemoryState
-from fsdp.core.flat_param import carry_attributes, set_module_tensor
+from fsdp.core.flat_param import set_module_tensor
+from fsdp.core.param_attrs import carry_attributes
 
 if TYPE_CHECKING:
     from fsdp.core.handle import FlatParamHandle
@@ -132,7 +133,7 @@ class RootForwardWatch:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         self._owners: dict[int, list[tuple[FlatParamHandle, str, torch.Size]]] = {}
         for h in handles:
-            if len(h.meta.params) == 1 and not h.meta.shared and not h.aliased:
+            if len(h.meta.params) == 1 and not h.meta.shared and not h.aliased and not h.linked_views:
                 info = h.meta.params[0]
                 self._owners.setdefault(id(h.modules[0]), []).append((h, info.param_name, info.shape))
         self._module_hook: RemovableHandle | None = None

@@ -57,11 +57,11 @@ from fsdp.core.flat_param import (
     PendingTie,
     attached_after_wrapping,
     check_no_parameters_added,
-    resharded_in_backward,
 )
 from fsdp.core.grad_hooks import GraphToken, OutputHook
 from fsdp.core.handle import FlatParamHandle, GradState, free_unused_prefetches
 from fsdp.core.no_shard_buckets import finish_no_shard_buckets
+from fsdp.core.placeholders import resharded_in_backward
 from fsdp.core.saved_views import watch_root_forward
 from fsdp.wrapper.direct_call import DirectCallMethods, OpenForward
 from fsdp.wrapper.fairscale_attrs import FairscaleAttributes
@@ -561,6 +561,8 @@ class WrapperBase(
         index = ctx.bucket_index.get(id(handle)) if ctx.sync and ctx.bucketer is not None else None
         released = handle.released  # (its full parameter freed in this backward: it steps at once)
         with record_function("FSDP::post_backward"):
+            if handle.linked_views:  # See [Note: linked parameters] in fsdp/core/param_attrs.py
+                handle.fold_hand_set_grads()
             handle.reduce_grad(
                 sync=ctx.sync, bucketed=index is not None, keep_full=self._keeps_full_in_no_sync(ctx)
             )
@@ -608,6 +610,8 @@ class WrapperBase(
             for w in ctx.wrappers:
                 free = ctx.sync or not w._keeps_full_in_no_sync(ctx)
                 for h in w.handles:
+                    if h.linked_views:
+                        h.check_no_hand_set_grads(wrapper_path(ctx.wrappers[0], w))
                     # shard first: a handle that got no gradient in this backward (an unused parameter,
                     # alone in its flat parameter) gets its earlier shard gradient back, shard-shaped
                     h.reshard(free_full=free)

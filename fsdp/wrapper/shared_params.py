@@ -43,11 +43,10 @@ from fsdp.common.guards import mark_flattened
 from fsdp.core.flat_param import (
     PendingTie,
     collect_owned,
-    is_placeholder,
-    make_placeholder,
     set_module_tensor,
 )
 from fsdp.core.layout import gather_full_flat
+from fsdp.core.placeholders import is_placeholder, make_placeholder
 from fsdp.core.wrapper_protocol import Wrapper
 
 __all__ = ["adopt_tied", "check_no_pending_ties", "check_shared_param"]

@@ -22,7 +22,7 @@ ORDER = [
     "api",
     "common.device", "common.torch_compile", "common.nest", "common.guards", "common.memory_tags",
     "comm.simulation", "comm.lost_ranks", "comm.collectives", "comm.consistency", "comm.topology", "comm.schedule", "comm.buckets", "comm.rs_buckets",
-    "core.sharding", "core.deferred_init", "core.flat_param", "core.grad_hooks", "core.handle_grads", "core.saved_views", "core.handle",
+    "core.sharding", "core.deferred_init", "core.placeholders", "core.param_attrs", "core.flat_param", "core.grad_hooks", "core.handle_grads", "core.saved_views", "core.handle",
     "core.no_shard_buckets", "core.layout", "core.wrapper_protocol",
     "state.local", "state.state_dict", "state.optim_fairscale", "state.optim_state", "state.optim_sharded", "state.optim_given",
     "wrap.policies", "wrap.context",
