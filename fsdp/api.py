@@ -343,8 +343,9 @@ class MixedPrecision:
     ``reduce_dtype`` (default: ``param_dtype``) and land on the shard in its dtype. Floating-point
     buffers are cast to ``buffer_dtype`` (default: kept as they are). ``cast_root_forward_inputs``:
     the root casts the floating tensors among its inputs to ``param_dtype`` (recorded by autograd);
-    ``cast_forward_inputs``: every wrapper does. ``keep_low_precision_grads=True`` (gradients left in
-    the reduction dtype) is not supported: gradients always land in the master shard's dtype.
+    ``cast_forward_inputs``: every wrapper does. ``keep_low_precision_grads=True``: after backward the
+    shard gradients are left in the reduction dtype (``reduce_dtype``, else ``param_dtype``), as in
+    torch; they are accumulated in the master dtype across backward passes in between.
     ``_module_classes_to_ignore``: with the constructor's ``auto_wrap_policy``, modules of these
     classes (batch norm by default) get wrappers of their own in full precision and run in fp32,
     their inputs cast to fp32 and their outputs back to the inputs' dtype.
@@ -379,12 +380,6 @@ class MixedPrecision:
                 )
         for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
             _check_bool(name, getattr(self, name))
-        if self.keep_low_precision_grads:
-            raise NotImplementedError(
-                "MixedPrecision: keep_low_precision_grads=True is not supported: reduced gradients always land on "
-                "the fp32 master shard as fp32, where the optimizer, clip_grad_norm_ and the grad scaler read them. "
-                "Leave it False (set reduce_dtype for low-precision communication)"
-            )
         classes = self._module_classes_to_ignore
         if not isinstance(classes, (tuple, list, set, frozenset)) or not all(
             isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes
@@ -412,9 +407,12 @@ class PrecisionConfig:
     # torch's casts (a MixedPrecision): every floating dtype, recorded by autograd; fairscale's
     # (mixed_precision=True): fp32 inputs only, and the root's cast unrecorded
     torch_input_casts: bool = False
+    # the shard gradients stay in the reduction dtype after backward (torch's keep_low_precision_grads)
+    keep_low_precision_grads: bool = False
 
     def __post_init__(self) -> None:
         for name in (
+            "keep_low_precision_grads",
             "cast_root_forward_inputs",
             "force_input_to_fp32",
             "clear_autocast_cache",
@@ -431,6 +429,11 @@ class PrecisionConfig:
     @property
     def mixed(self) -> bool:
         return self.param_dtype is not None
+
+    @property
+    def low_grad_dtype(self) -> torch.dtype | None:
+        """The dtype shard gradients are left in after backward (``keep_low_precision_grads``), or None."""
+        return (self.reduce_dtype or self.param_dtype) if self.keep_low_precision_grads else None
 
 
 @dataclass(frozen=True, kw_only=True)

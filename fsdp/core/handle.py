@@ -171,6 +171,7 @@ class FlatParamHandle(HandleGradients):
         self.shared_modules = [module_of[s.module_name] for s in self.meta.shared]
         self.compute_dtype = param_dtype if param_dtype is not None else self.meta.dtype
         self.reduce_dtype = reduce_dtype
+        self.low_grad_dtype = None  # (the wrapper sets it: keep_low_precision_grads)
         with torch.no_grad():  # straight into the padded buffer: one unit's copy beside the parameters
             padded = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=device)
             for e, info in zip(entries, self.meta.params):
@@ -268,7 +269,7 @@ class FlatParamHandle(HandleGradients):
     # See [Note: copies of a wrapped model] in fsdp/wrapper/module_ops.py.
     _COPIED = (
         "meta", "spec", "modules", "shared_modules", "flat_param", "compute_dtype", "reduce_dtype",
-        "compute_device", "offloaded",
+        "compute_device", "offloaded", "low_grad_dtype",
     )  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:

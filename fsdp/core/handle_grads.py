@@ -139,6 +139,9 @@ class HandleGradients:
 
     _grad_copy: tuple[torch.Tensor, object] | None  # COPYING: (host gradient, event) of the copy in flight
     grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
+    low_grad_dtype: (
+        torch.dtype | None
+    )  # keep_low_precision_grads: .grad's dtype after backward (None: the master's)
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
     _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
@@ -195,7 +198,8 @@ class HandleGradients:
         if whole:
             full.copy_(source)
         else:
-            all_gather(full, source.to(self.compute_device), self.comm.process_group, self.stats).wait()
+            source = source.to(self.compute_device, self.meta.dtype)  # (keep_low_precision_grads: low)
+            all_gather(full, source, self.comm.process_group, self.stats).wait()
         self.memory.add(full.untyped_storage().size())
         self._full_grad = (full, shard_grad, [])
 
@@ -237,16 +241,20 @@ class HandleGradients:
         chunk = full[self.spec.start : self.spec.end].to(self.shard_device)
         if shard_grad is None and not chunk.any():  # (the zeros this rank contributed): still none
             return
-        if shard_grad is not None and _same_bits(chunk, shard_grad):
+        if shard_grad is not None and _same_bits(chunk.to(shard_grad.dtype), shard_grad):
             grad = shard_grad
         elif shard_grad is not None:
             with torch.no_grad():
-                grad = shard_grad.copy_(chunk)
+                grad = shard_grad.copy_(chunk)  # (in its own dtype: low with keep_low_precision_grads)
         else:
-            grad = chunk.clone()
+            grad = chunk.to(self.low_grad_dtype) if self.low_grad_dtype is not None else chunk.clone()
         # a shard-shaped gradient is assigned to a shard-shaped parameter (it is full-shaped now)
         data, self.flat_param.data = self.flat_param.data, self._shard
-        self.flat_param.grad = grad
+        if grad.dtype == self._shard.dtype:
+            self.flat_param.grad = grad
+        else:  # (keep_low_precision_grads: .data takes a dtype other than the parameter's, .grad = does not)
+            self.flat_param.grad = torch.empty_like(self._shard)
+            self.flat_param.grad.data = grad
         self.flat_param.data = data
 
     # ------------------------------------------------------------------ gradients
@@ -255,11 +263,15 @@ class HandleGradients:
         grad = self.flat_param.grad
         param = self.flat_param
         if grad is None or (
-            grad.shape == param.shape and grad.dtype == param.dtype and grad.device == param.device
+            grad.shape == param.shape
+            and grad.dtype == param.dtype
+            and grad.device == param.device
+            and self.low_grad_dtype is None
         ):
             return
         assert self._saved_grad_shard is None, "gradient stashed twice in one backward"
-        self._saved_grad_shard = grad
+        # (left in the reduction dtype after the last backward: summed in the master dtype again)
+        self._saved_grad_shard = grad if grad.dtype == self.meta.dtype else grad.to(self.meta.dtype)
         self.flat_param.grad = None
 
     def reduce_grad(self, sync: bool = True, bucketed: bool = False, keep_full: bool = True) -> None:
@@ -365,6 +377,11 @@ class HandleGradients:
         if self.grad_state in _REDUCED_THIS_BACKWARD:
             self._pending = self._grad_copy = None  # (set only after such a backward)
             self._set_grad_state(GradState.IDLE)
+        grad = self.flat_param.grad
+        if self.low_grad_dtype is not None and grad is not None and grad.dtype != self.low_grad_dtype:
+            # torch's keep_low_precision_grads: through .data, which (unlike .grad =) allows a dtype other
+            # than the parameter's
+            grad.data = grad.to(self.low_grad_dtype)
 
     def _set_grad_state(self, state: GradState) -> None:
         """The one way the gradient state changes; checks the change and what each state holds."""

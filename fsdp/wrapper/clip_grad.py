@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -83,4 +84,6 @@ def clip_grad_norm_(
     for grad in grads:
         if grad is not None:
             grad.detach().mul_(coef.to(grad.device, grad.dtype))
-    return norm
+    # in the gradients' dtype, as torch's (low-precision gradients: keep_low_precision_grads)
+    dtypes = [g.dtype for g in grads if g is not None]
+    return norm.to(functools.reduce(torch.promote_types, dtypes)) if dtypes else norm

@@ -210,6 +210,10 @@ class FullyShardedDataParallel(WrapperBase):
                 config.precision.reduce_dtype,
                 config.offload.params_to_cpu,
             )
+            low = config.precision.low_grad_dtype
+            handle.low_grad_dtype = (
+                low if low not in (None, handle.meta.dtype) and not handle.aliased else None
+            )
             self.register_parameter(f"flat_param_{len(self.handles)}", handle.flat_param)
             self.handles.append(handle)
             # See [Note: gradient accumulators] in fsdp/core/grad_hooks.py (every one: a frozen flat parameter

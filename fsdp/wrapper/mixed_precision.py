@@ -93,6 +93,7 @@ def resolve_precision(
                 buffer_dtype=mp.buffer_dtype,
                 force_input_to_fp32=force_input_to_fp32,
                 clear_autocast_cache=clear_autocast_cache,
+                keep_low_precision_grads=mp.keep_low_precision_grads,
             )
         return PrecisionConfig(
             buffer_dtype=buffer_dtype,
@@ -118,6 +119,7 @@ def resolve_precision(
         clear_autocast_cache=clear_autocast_cache,
         cast_forward_inputs=mp.cast_forward_inputs,
         torch_input_casts=mixed_precision is not True,  # (a MixedPrecision: torch's way)
+        keep_low_precision_grads=mp.keep_low_precision_grads,
     )
 
 

@@ -97,11 +97,12 @@ def test_mixed_precision_fields_mean_what_torchs_do(
     assert seen["weight_grad"] == F32, "gradients land on the fp32 master shard"
 
 
-def test_keep_low_precision_grads_is_refused() -> None:
-    with pytest.raises(NotImplementedError, match="keep_low_precision_grads=True is not supported"):
-        fsdp.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True)
-    with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
-        fsdp.api.from_torch_fsdp(torch_fsdp.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True))
+def test_keep_low_precision_grads_is_taken_from_torchs_twin() -> None:
+    ours = fsdp.api.from_torch_fsdp(
+        torch_fsdp.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True)
+    )
+    assert ours == fsdp.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True)
+    assert ours.keep_low_precision_grads
 
 
 # ---------------------------------------------------------------------- constructor arguments
