@@ -454,6 +454,12 @@ class FlatParamHandle(HandleGradients):
             self._free_full()
 
     @property
+    def full_precision_compute(self) -> bool:
+        """Unsharded in the master dtype under mixed precision (a forward and backward in full
+        precision: ``FSDP_USE_FULL_PREC_IN_EVAL``; or a summon)."""
+        return self._full_precision is not None and self._active is self._full_precision
+
+    @property
     def released(self) -> bool:
         """UNSHARDED with the full buffer freed in this backward by :meth:`release_full_early`."""
         return self._released

@@ -169,6 +169,8 @@ class HandleGradients:
         @property
         def aliased(self) -> bool: ...
         @property
+        def full_precision_compute(self) -> bool: ...
+        @property
         def requires_grad(self) -> bool: ...
         @property
         def shard_device(self) -> torch.device: ...
@@ -316,8 +318,14 @@ class HandleGradients:
             self.flat_param.grad = full  # NO_SHARD: the full gradient is shard-shaped
             self._set_grad_state(GradState.BUCKETED)
             return
-        if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
-            grad = grad.to(self.reduce_dtype)  # e.g. fp32_reduce_scatter: reduce in fp32
+        # (e.g. fp32_reduce_scatter: reduce in fp32; a backward computed in full precision, with
+        # FSDP_USE_FULL_PREC_IN_EVAL, reduces in it, as torch's)
+        if (
+            self.reduce_dtype is not None
+            and grad.dtype != self.reduce_dtype
+            and not self.full_precision_compute
+        ):
+            grad = grad.to(self.reduce_dtype)
         grad = grad.contiguous()
         memory_tags.tag(grad, memory_tags.REDUCE_SCATTER)
         if self.comm.gradient_predivide_factor != 1:

@@ -153,6 +153,25 @@ class _Probe(nn.Module):
         return self.bn(self.fc(x))
 
 
+def _reduced_dtypes(backward: Any) -> set[torch.dtype]:
+    """The dtypes of the gradients reduce-scattered while ``backward()`` runs."""
+    import fsdp.comm.collectives as collectives
+    import fsdp.core.handle_grads as handle_grads
+
+    real, seen = collectives.reduce_scatter, set()
+
+    def reduce_scatter(out: Any, full: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.add(full.dtype)
+        return real(out, full, *args, **kwargs)
+
+    collectives.reduce_scatter = handle_grads.reduce_scatter = reduce_scatter  # type: ignore[assignment]
+    try:
+        backward()
+    finally:
+        collectives.reduce_scatter = handle_grads.reduce_scatter = real  # type: ignore[assignment]
+    return seen
+
+
 def _precision_in_eval(env: str | None) -> dict[str, Any]:
     torch.manual_seed(0)
     ref = _Probe()
@@ -171,7 +190,7 @@ def _precision_in_eval(env: str | None) -> dict[str, Any]:
     buffer_after_eval = model.module.bn.running_mean.dtype
     model.zero_grad()
     with_grad = model(x)  # eval with gradients enabled, and its backward (torch's test_eval_root_cast_inputs)
-    with_grad.float().sum().backward()
+    wire = _reduced_dtypes(lambda: with_grad.float().sum().backward())
     ref(x).sum().backward()
     grads = [(p.grad.dtype, p.grad.shape) for p in model.parameters() if p.grad is not None]
     with FSDP.summon_full_params(model, with_grads=True):
@@ -187,6 +206,7 @@ def _precision_in_eval(env: str | None) -> dict[str, Any]:
         "with_grad_dtype": with_grad.dtype,
         "error": (out.float() - expected).abs().max().item(),
         "grad_error": grad_error,
+        "wire": wire,
         "grads": grads,
         "buffer_after_eval": buffer_after_eval,
         "buffer_after_train": model.module.bn.running_mean.dtype,
@@ -210,11 +230,13 @@ def test_full_precision_in_eval(pool: RankPool, env: str | None) -> None:
             assert eval_ == eval_grad == (F32, F32, F32)
             assert r["out_dtype"] == r["with_grad_dtype"] == F32 and r["error"] < 1e-5, r
             assert r["buffer_after_eval"] == F32, "torch keeps them in full precision after an eval forward"
-            assert r["grad_error"] < 1e-2, r  # (reduced in bf16: reduce_dtype)
+            assert r["grad_error"] < 1e-5, r
+            assert r["wire"] == {F32}, "reduced in full precision, as torch (it was reduced in bf16)"
         else:
             assert eval_ == eval_grad == (BF16, BF16, BF16)
             assert r["out_dtype"] == r["with_grad_dtype"] == BF16 and r["error"] > 1e-4, r
             assert r["buffer_after_eval"] == BF16
+            assert r["wire"] == {BF16}, r["wire"]
 
 
 def test_full_precision_in_eval_is_one_value_for_the_tree(single_rank_group: None) -> None:
