@@ -26,7 +26,8 @@ from wrapping time and get no gradient, so:
   A hand-set gradient left when no gradient from autograd reached the flat parameter (nothing
   reduced it) raises at the end of backward;
 - a stand-in between steps keeps a link as a stand-in of its own that raises when used: there is no
-  full parameter to show then.
+  full parameter to show then. A copy or a pickle of the model keeps the link without its place (a
+  weak reference into the original's modules), so there it is that stand-in too.
 
 Reading ``.grad`` of such a view warns once, as torch does for any tensor that is not a leaf
 (autograd does not fill it); the value read is the one set by hand, as on fairscale's parameter.
@@ -67,6 +68,11 @@ class Link:
         self.dtype = target.dtype
         self.place: tuple[weakref.ref[nn.Module], str] | None = _place_of(target)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy or a pickle of the model keeps the link without its place (a weak reference to a module
+        # of the original): it shows the stand-in, which says so when used.
+        return (_unplaced, (self.holder, self.attr, self.shape, self.dtype))
+
     def resolve(self) -> torch.Tensor:
         """What the linked parameter's place holds now (its view while gathered)."""
         module = self.place[0]() if self.place is not None else None
@@ -77,12 +83,19 @@ class Link:
     def stand_in(self) -> torch.Tensor:
         reason = (
             f"FullyShardedDataParallel: attribute {self.attr!r} of parameter {self.holder!r} refers to another "
-            "parameter, which is sharded now (or was never flattened by a wrapper that knew its place): it shows "
+            "parameter, which is sharded now (or was never flattened by a wrapper that knew its place, or the model "
+            "was copied or unpickled, which drops the link): it shows "
             "that parameter's full values only inside a forward and its backward, where the module that carries "
             "the attribute runs after the linked parameter's wrapper gathered it. Read it there, or through its "
             "module (keep a reference to the module and use module.weight)"
         )
         return make_placeholder(f"{self.holder}.{self.attr}", self.shape, self.dtype, False, reason=reason)
+
+
+def _unplaced(holder: str, attr: str, shape: torch.Size, dtype: torch.dtype) -> Link:
+    link = Link.__new__(Link)
+    link.holder, link.attr, link.shape, link.dtype, link.place = holder, attr, shape, dtype, None
+    return link
 
 
 # Places of flattened parameters, by id, while the parameter lives; links waiting for a parameter

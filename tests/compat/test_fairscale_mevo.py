@@ -9,6 +9,7 @@ not at all, under a root that owns the tie. MEVO reads the weight through its tr
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from tests.rank_pool import RankPool
+from tests.unit.conftest import single_rank_group  # noqa: F401  (the fixture, for the one-rank test)
 
 VOCAB, D_MODEL, BATCH, SEQ, TILE = 64, 8, 2, 5, 4
 
@@ -172,3 +174,16 @@ def test_a_gradient_set_by_hand_that_nothing_reduces_raises(pool: RankPool) -> N
     end of backward says so on every rank, and what to do, instead of dropping it."""
     for message in pool.run(_hand_set_only):
         assert "set by hand on 'weight'" in message and "nothing reduced it" in message, message
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_copy_of_a_model_with_a_link_drops_it() -> None:
+    """A deep copy or a pickle of the wrapped model keeps the attribute, without its place (it pointed
+    into the original's modules): MEVO's forward on the copy raises, saying why; the original trains."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (world size 1: NO_SHARD; MEVO's reads of .grad)
+        model = FSDP(_Model(with_fsdp=True), mixed_precision=False)
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            with pytest.raises(RuntimeError, match="refers to another parameter.*copied or unpickled"):
+                other(_data())
+        model(_data()).backward()
