@@ -157,7 +157,12 @@ def _agreed_structure(
         groups, shape = _structure(layout, optim, uncollected)
     except (ValueError, NotImplementedError) as e:
         error = str(e)
-    agree(layout, error, what, digest_of(shape))
+    mismatch = (  # (torch's first sentence, which its tests match, then ours)
+        "FSDP currently requires each rank to have at least the optimizer states needed by rank 0's optimizer "
+        "but some ranks are missing some of those states: the ranks' optimizers hold differently structured "
+        "state (every rank's optimizer must hold the same parameters, groups and state keys); nothing was loaded"
+    )
+    agree(layout, error, what, digest_of(shape), mismatch=mismatch)
     return groups
 
 

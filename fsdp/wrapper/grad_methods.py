@@ -87,6 +87,6 @@ class GradientMethods(WrapperMixin):
             self._lazy_init()
         if not self._is_root:
             raise RuntimeError(
-                f"FullyShardedDataParallel: {what} must be called on the root (outermost) wrapper, not on an "
-                "inner one: it acts on the whole model"
+                f"FullyShardedDataParallel: {what} should only be called on the root FSDP instance (the outermost "
+                "wrapper), not on an inner one: it acts on the whole model"
             )

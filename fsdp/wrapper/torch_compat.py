@@ -34,6 +34,7 @@ __all__ = [
     "adopt_attached",
     "check_full_prec_in_eval",
     "own_precision_modules",
+    "refuse_torch_optimizer_in_backward",
     "resolve_ignored",
     "torch_fsdp_options",
     "torch_options_of",
@@ -456,3 +457,23 @@ def _run_in_fp32(module: nn.Module) -> None:
 
     module.register_forward_pre_hook(to_fp32, with_kwargs=True)
     module.register_forward_hook(back, with_kwargs=True)
+
+
+def refuse_torch_optimizer_in_backward(wrappers: Sequence[Any]) -> None:
+    """Refuse torch's private ``_apply_optimizer_in_backward`` (torchrec's optimizer in backward) on
+    the tree's flat parameters, at the root's forward: torch keeps their AccumulateGrad nodes from
+    the moment it is applied, when each is the 1-D shard, and a flat parameter becomes the full one in
+    forward, so autograd would refuse the full gradient (``SplitWithSizesBackward0 returned an invalid
+    gradient``) or the post-backward would find none."""
+    for w in wrappers:
+        for h in w.handles:
+            if hasattr(h.flat_param, "_in_backward_optimizers"):
+                raise RuntimeError(
+                    "FullyShardedDataParallel: torch's private _apply_optimizer_in_backward was applied to the "
+                    f"parameters of {w._path or '<root>'!r}. Optimizer in backward is only supported with "
+                    "use_orig_params=True in torch FSDP, and not through that function here: it keeps autograd "
+                    "nodes of the 1-D shards, which become full parameters in forward. Use "
+                    "fsdp.optimizer_in_backward(model, optimizer_class, **optimizer_kwargs), which steps each "
+                    "unit's shard as soon as its gradient is reduced, on a model whose parameters were not "
+                    "given to _apply_optimizer_in_backward"
+                )

@@ -286,3 +286,66 @@ def _run_in_opposite_orders() -> str:
 def test_units_run_in_another_order_on_some_ranks_fail_in_torchs_words(pool: RankPool) -> None:
     for msg in pool.run(_run_in_opposite_orders, timeout=60):
         assert msg.startswith("Forward order differs across ranks"), msg
+
+
+def test_clip_grad_norm_on_an_inner_wrapper_is_refused_in_torchs_words(single_rank_group: None) -> None:
+    """torch's ``test_non_root``: clipping through an inner wrapper raises its sentence."""
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 3)))
+    model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="should only be called on the root FSDP instance"):
+        model.module[0].clip_grad_norm_(1.0)
+    assert model.clip_grad_norm_(1.0) > 0  # (the root clips)
+
+
+def _optimizer_missing_state_on_rank_1() -> str:
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(3, 3)), nn.Linear(3, 3)))
+    params = list(model.parameters())
+    optim = torch.optim.Adam(params if torch.distributed.get_rank() == 0 else params[:-1], lr=1e-3)
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    try:
+        FSDP.full_optim_state_dict(model, optim)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_an_optimizer_missing_state_on_some_rank_fails_in_torchs_words(pool: RankPool) -> None:
+    """torch's ``test_full_optim_state_dict_nested_invalid``: a rank whose optimizer lacks a parameter
+    rank 0's has makes every rank raise, with torch's first sentence."""
+    for message in pool.run(_optimizer_missing_state_on_rank_1):
+        assert (
+            "FSDP currently requires each rank to have at least the optimizer states needed by rank 0"
+            in message
+        )
+
+
+def _torch_optimizer_in_backward(use_orig_params: bool) -> str:
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    model = FSDP(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=use_orig_params,
+    )
+    _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.03}, register_hook=False)
+    try:
+        model(torch.randn(2, 2)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_torchs_private_optimizer_in_backward_is_refused_at_the_forward(
+    pool: RankPool, use_orig_params: bool
+) -> None:
+    """torch's ``test_fsdp_optim_overlap_no_use_orig_params_error`` (its words), and the case torch
+    supports: refused at the forward with what to use instead, where autograd failed inside backward
+    (an invalid gradient for the shard-shaped node torch kept) or an internal assertion fired."""
+    for message in pool.run(_torch_optimizer_in_backward, use_orig_params):
+        assert "only supported with use_orig_params=True" in message, message
+        assert "fsdp.optimizer_in_backward(model" in message, message
