@@ -184,6 +184,6 @@ def test_a_copy_of_a_model_with_a_link_drops_it() -> None:
         warnings.simplefilter("ignore")  # (world size 1: NO_SHARD; MEVO's reads of .grad)
         model = FSDP(_Model(with_fsdp=True), mixed_precision=False)
         for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            with pytest.raises(RuntimeError, match="refers to another parameter.*copied or unpickled"):
+            with pytest.raises(RuntimeError, match=r"refers to another parameter.*copied or unpickled"):
                 other(_data())
         model(_data()).backward()

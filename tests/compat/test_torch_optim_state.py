@@ -551,3 +551,47 @@ def _flattened_sharded(alt: bool) -> dict[str, Any]:
 def test_flatten_sharded_optim_state_dict_equals_the_full_path(pool: RankPool, alt: bool) -> None:
     for r in pool.run(_flattened_sharded, alt):
         assert r["same"] and r["entries"] > 0 and r["diff"] == 0.0, r
+
+
+class _RankLocal(nn.Module):
+    """torch's ``test_compatible_with_trec``: a wrapped dense layer, and a plain layer of this rank's
+    own outside any wrapper (model parallelism, as torchrec places its sparse modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = FSDP(nn.Linear(8, 8), use_orig_params=True)
+        torch.manual_seed(1 + dist.get_rank())
+        setattr(self, f"sparse{dist.get_rank()}", nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = getattr(self, f"sparse{dist.get_rank()}")(x)
+        dist.all_reduce(out)
+        return self.dense(out)  # type: ignore[no-any-return]
+
+
+def _rank_local_round_trip() -> dict[str, Any]:
+    model = _RankLocal()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.rand(5, 8, generator=torch.Generator().manual_seed(2))).sum().backward()
+    optim.step()
+    own = f"sparse{dist.get_rank()}"
+    before = {k: v.clone() for k, v in optim.state[getattr(model, own).weight].items()}
+    osd = FSDP.optim_state_dict(model, optim)
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, osd))
+    after = fresh.state[getattr(model, own).weight]
+    return {
+        "keys": sorted(osd["state"]),
+        "own": own,
+        "same": set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_rank_local_parameters_keep_each_ranks_own_optimizer_state(pool: RankPool) -> None:
+    """Each rank's full optimizer state dict holds its own rank-local parameters' state (it held the
+    first rank's, and loading it on another rank raised that the model lacks them), and it loads back."""
+    for r in pool.run(_rank_local_round_trip):
+        assert r["keys"] == ["dense.bias", "dense.weight", f"{r['own']}.bias", f"{r['own']}.weight"], r
+        assert r["same"], r

@@ -90,7 +90,10 @@ def test_no_sync_accumulates_without_communication(pool: RankPool, strategy: str
     micro = 3
     for r in pool.run(_no_sync, strategy, micro):
         assert r["grad"] <= TOL and r["param"] <= TOL, r
-        assert "should only be called on the root FSDP instance" in r["inner"] and "should only be called on the root" in r["early_inner"]
+        assert (
+            "should only be called on the root FSDP instance" in r["inner"]
+            and "should only be called on the root" in r["early_inner"]
+        )
         assert "clip_grad_norm_() inside no_sync()" in r["clip_inside"]
         calls = r["calls"]
         for step in (0, 1):
