@@ -466,6 +466,11 @@ def _different_optimizers() -> str:
 def test_ranks_with_different_optimizers_fail_together(pool: RankPool) -> None:
     for message in pool.run(_different_optimizers):
         assert message.startswith("gather_full_optim_state_dict"), message
+        # (torch's first sentence, which its test matches)
+        assert (
+            "FSDP currently requires each rank to have at least the optimizer states needed by rank 0"
+            in message
+        )
 
 
 def _no_wrapper_and_empty_state() -> dict[str, Any]:
