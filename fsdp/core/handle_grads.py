@@ -162,6 +162,7 @@ class HandleGradients:
         state: MemoryState
         reduce_dtype: torch.dtype | None
         compute_device: torch.device
+        offloaded: bool
         copies: SideCopies | None
         rs_bucketer: ReduceScatterBucketer | None
         _shard: torch.Tensor
@@ -196,6 +197,11 @@ class HandleGradients:
             self._full_grad = (None, None, [])
             return
         source = self._shard.new_zeros(self._shard.shape) if shard_grad is None else shard_grad
+        if whole and shard_grad is not None and shard_grad.dtype == self.meta.dtype and not self.offloaded:
+            # the shard gradient is the whole one (NO_SHARD): shown as it is, so an in-place change
+            # stays without writeback, as torch's (it shows the same storage)
+            self._full_grad = (shard_grad, shard_grad, [])
+            return
         full = torch.empty(self.spec.padded_numel, dtype=self.meta.dtype, device=self.compute_device)
         if whole:
             full.copy_(source)
@@ -236,7 +242,7 @@ class HandleGradients:
                 self._write_grad_chunk(now, shard_grad)
             else:
                 self._write_grad_chunk(full, shard_grad)
-        if full is not None:
+        if full is not None and full is not shard_grad:  # (the shard gradient itself: nothing allocated)
             self.memory.add(-full.untyped_storage().size())
 
     def _write_grad_chunk(self, full: torch.Tensor, shard_grad: torch.Tensor | None) -> None:

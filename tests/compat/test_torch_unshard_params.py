@@ -138,3 +138,36 @@ def test_the_instance_forms(single_rank_group: None) -> None:
     ):  # torch's test_rank0_only_with_writeback_raises
         with FSDP.summon_full_params(nn.Sequential(model), rank0_only=True, writeback=True):
             pass
+
+
+def _grad_edits(strategy: str, writeback: bool) -> bool:
+    """torch's ``_test_with_grads_core``: whether ``p.grad *= 2`` inside ``summon_full_params(with_grads=True)``
+    stays in the gradients after the context."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    kwargs: dict[str, Any] = {
+        "use_orig_params": True,
+        "sharding_strategy": getattr(torch_fsdp.ShardingStrategy, strategy),
+    }
+    model = FSDP(nn.Sequential(FSDP(inner, **kwargs), nn.Linear(8, 4)), **kwargs)
+    model(torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with FSDP.summon_full_params(model, writeback=writeback, with_grads=True):
+        for p in model.parameters():
+            p.grad *= 2  # type: ignore[operator]
+    after = [p.grad for p in model.parameters()]
+    assert all(torch.equal(b, a) for b, a in zip(before, after)) or all(
+        torch.equal(b * 2, a) for b, a in zip(before, after)
+    ), "all kept or all dropped"
+    return all(torch.equal(b * 2, a) for b, a in zip(before, after))
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("writeback", [False, True])
+def test_gradient_edits_inside_summon_stay_as_in_torch(
+    pool: RankPool, strategy: str, writeback: bool
+) -> None:
+    """With writeback they stay; without, they stay only under NO_SHARD (torch shows the gradient's own
+    storage there; they were dropped)."""
+    assert pool.run(_grad_edits, strategy, writeback) == [writeback or strategy == "NO_SHARD"] * 2
