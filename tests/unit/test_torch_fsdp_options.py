@@ -219,7 +219,8 @@ def test_summon_takes_torchs_arguments(single_rank_group: None) -> None:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_summon_with_grads_shows_and_writes_back_full_gradients(single_rank_group: None, mixed: bool) -> None:
     """At world size 1 the shard is the whole flat parameter, and (without casting) the same tensor: a
-    volatile summon must not change it, a writing one must."""
+    gradient replaced in a volatile summon is dropped, a writing one keeps it; an in-place change stays
+    even without writeback, since the shown gradient is the shard gradient itself (NO_SHARD, as torch)."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     model = FSDP(copy.deepcopy(ref), mixed_precision=mixed)
@@ -228,7 +229,7 @@ def test_summon_with_grads_shows_and_writes_back_full_gradients(single_rank_grou
     model(x).sum().backward()
     with FSDP.summon_full_params(model, with_grads=True, writeback=False):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.module[0].weight.grad.zero_()
+        model.module[0].weight.grad = torch.zeros_like(model.module[0].weight.grad)  # replaced: dropped
     tol = 1e-2 if mixed else 0.0
     assert grads.keys() == dict(ref.named_parameters()).keys()
     for n, p in ref.named_parameters():
@@ -241,6 +242,9 @@ def test_summon_with_grads_shows_and_writes_back_full_gradients(single_rank_grou
         assert torch.allclose(model.module[0].weight.grad, 2 * grads["0.weight"])
         assert torch.equal(model.module[1].bias.grad, torch.full((2,), 7.0))
         assert torch.equal(model.module[0].bias.grad, grads["0.bias"]), "the rest unchanged"
+        model.module[0].bias.grad.add_(1.0)  # in place, without writeback
+    with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+        assert torch.equal(model.module[0].bias.grad, grads["0.bias"] + 1), "kept, as torch keeps it"
     model.zero_grad(set_to_none=True)
     with FSDP.summon_full_params(model, with_grads=True):
         assert all(p.grad is None for p in model.parameters()), "no gradient shows none"
