@@ -139,9 +139,8 @@ class HandleGradients:
 
     _grad_copy: tuple[torch.Tensor, object] | None  # COPYING: (host gradient, event) of the copy in flight
     grad_state: GradState  # the gradient's place in this backward: see [Note: gradient state]
-    low_grad_dtype: (
-        torch.dtype | None
-    )  # keep_low_precision_grads: .grad's dtype after backward (None: the master's)
+    # keep_low_precision_grads: the dtype of .grad after backward (None: the master dtype's)
+    low_grad_dtype: torch.dtype | None
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
     _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
@@ -358,9 +357,8 @@ class HandleGradients:
             hand_set = take_hand_set_grad(view)
             if hand_set is not None:
                 grad = self.flat_param.grad
-                if (
-                    grad is None
-                ):  # (autograd ran the accumulator with no gradient: a custom function gave None)
+                # (None: autograd ran the accumulator without a gradient, a custom function gave None)
+                if grad is None:
                     grad = self.flat_param.grad = torch.zeros_like(self.flat_param)
                 info = self.meta.params[i]
                 grad[info.offset : info.offset + info.numel].add_(hand_set.reshape(-1))

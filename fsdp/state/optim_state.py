@@ -225,11 +225,13 @@ def _copy(value: Any, device: torch.device | None = None) -> Any:
 def gather_full_optim_state_dict(
     layout: Layout,
     optim: torch.optim.Optimizer,
-    recipient_rank: int = 0,
+    recipient_rank: int | None = 0,
     device: torch.device | None = None,
     fairscale_form: bool = False,
 ) -> dict[str, Any] | None:
-    """The optimizer state per original parameter, on ``recipient_rank`` only (None elsewhere). Collective.
+    """The optimizer state per original parameter, on ``recipient_rank`` only (None elsewhere; with
+    ``None``, on every rank, each holding its own state of the parameters no wrapper manages, as
+    torch's full form keeps it). Collective.
 
     Per-element state is gathered one flat parameter at a time and moved to ``device`` (default:
     the CPU), so the recipient needs room for the whole optimizer state there, the others for one
@@ -237,11 +239,11 @@ def gather_full_optim_state_dict(
     [Note: fairscale's optimizer state form] in ``fsdp/state/optim_fairscale.py``); without it, the state of experts
     (``no_broadcast_optim_state``) is refused.
     """
-    if not 0 <= recipient_rank < layout.world_size:
+    if recipient_rank is not None and not 0 <= recipient_rank < layout.world_size:
         raise ValueError(f"recipient_rank must be in [0, {layout.world_size}), got {recipient_rank}")
     device = device if device is not None else torch.device("cpu")
     groups = _agreed_structure(layout, optim, "gather_full_optim_state_dict", fairscale_form)
-    keep = layout.rank == recipient_rank
+    keep = recipient_rank is None or layout.rank == recipient_rank  # (the shards are all-gathered)
     ordered = _plain_order(layout, groups)
     ids = {name: i for i, name in enumerate(n for group in ordered for n in group)}
     uncollected = {id(h) for u in layout.units if u.no_broadcast_optim_state for h in u.handles}

@@ -134,10 +134,9 @@ class InstanceOrStatic:
 def _full_named(layout: Layout, optim: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
     """The full optimizer state keyed by parameter name (torch's full form), on rank 0 or on every
     rank; ``{}`` on the others. Collective."""
-    full = optim_impl.gather_full_optim_state_dict(layout, optim)
-    first_plain: list[str] = []  # the parameters no wrapper manages on the first rank
-    if not rank0_only:
-        full, first_plain = _broadcast_object((full, [s.name for s in layout.ignored]), layout)
+    # (on every rank without rank0_only: each keeps its own state of the parameters no wrapper manages,
+    # as torch does for rank-local modules outside any wrapper)
+    full = optim_impl.gather_full_optim_state_dict(layout, optim, 0 if rank0_only else None)
     if full is None:
         return {}
     names = full["param_names"]
@@ -145,34 +144,7 @@ def _full_named(layout: Layout, optim: torch.optim.Optimizer, rank0_only: bool) 
     for g in groups:
         g.pop("param_names", None)
     extras = {k: v for k, v in full.items() if k not in ("state", "param_groups", "param_names")}
-    out = {**extras, "state": {names[i]: v for i, v in full["state"].items()}, "param_groups": groups}
-    if layout.rank != 0 and (first_plain or layout.ignored):
-        _own_plain_state(out, first_plain, layout, optim)
-    return out
-
-
-def _own_plain_state(
-    out: dict[str, Any], first_plain: list[str], layout: Layout, optim: torch.optim.Optimizer
-) -> None:
-    """In the full form broadcast from the first rank, the state of the parameters no wrapper manages
-    becomes this rank's own, as torch keeps it (model parallelism: rank-local modules outside any
-    wrapper, as torchrec places them): the first rank's are dropped, this rank's added to its groups."""
-    theirs = set(first_plain)
-    for name in theirs:
-        out["state"].pop(name, None)
-    group_of = {id(p): i for i, g in enumerate(optim.param_groups) for p in g["params"]}
-    for g in out["param_groups"]:
-        g["params"] = [n for n in g["params"] if n not in theirs]
-    for slot in layout.ignored:
-        param = slot.param
-        if id(param) not in group_of or group_of[id(param)] >= len(out["param_groups"]):
-            continue
-        out["param_groups"][group_of[id(param)]]["params"].append(slot.name)
-        if optim.state.get(param):
-            out["state"][slot.name] = {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in optim.state[param].items()
-            }
+    return {**extras, "state": {names[i]: v for i, v in full["state"].items()}, "param_groups": groups}
 
 
 def _broadcast_object(obj: Any, layout: Layout) -> Any:
