@@ -13,8 +13,11 @@ parameters as the runs of equal values in ``"param_id_map"``. Our ids follow the
 plain optimizer's numbering, so the dict also loads into one), not fairscale's wrapper-by-wrapper
 numbering (:func:`fairscale_order`), but every flat parameter's parameters come in its layout order
 there, and ``"param_id_map"`` lists them flat parameter by flat parameter, so both readings agree.
-fairscale stores ``"step"`` as a number (its reader would shard a 0-dim tensor); torch's
-optimizers turn it back into a tensor when they load. Its reader turns the dict it is given into
+fairscale stores ``"step"`` as a number (its reader would shard a 0-dim tensor); the dict records
+the dtype of the tensors it was (``"step_dtype"``, a key fairscale's reader ignores), and our
+reader gives the shard tensors of that dtype again, as the optimizer's own ``state_dict()`` holds
+them (a dict without the key, fairscale's own, keeps numbers: torch's optimizers make tensors of
+them when they load). Its reader turns the dict it is given into
 the shard it returns (:func:`become_shard_`), so the full state is not held twice.
 """
 
@@ -27,7 +30,17 @@ import torch
 
 from fsdp.core.layout import Layout
 
-__all__ = ["become_shard_", "fairscale_order", "one_rank_singletons", "to_fairscale_form"]
+__all__ = [
+    "STEP_DTYPE",
+    "become_shard_",
+    "fairscale_order",
+    "one_rank_singletons",
+    "restore_tensor_steps",
+    "to_fairscale_form",
+]
+
+# The key of a gathered dict that records the dtype of the ``step`` tensors it holds as numbers
+STEP_DTYPE = "step_dtype"
 
 
 def to_fairscale_form(
@@ -36,12 +49,29 @@ def to_fairscale_form(
     """Give a gathered dict ``out`` fairscale's keys, in place: ``id_map`` (id -> local id, listed
     flat parameter by flat parameter) and the local ids of the experts. See [Note: fairscale's
     optimizer state form]."""
+    step_dtypes = set()
     for entry in out["state"].values():
         step = entry.get("step")
         if isinstance(step, torch.Tensor) and step.dim() == 0:
+            step_dtypes.add(step.dtype)
             entry["step"] = step.item()
+    if len(step_dtypes) == 1:
+        out[STEP_DTYPE] = str(step_dtypes.pop()).removeprefix("torch.")
     out["param_id_map"] = dict(id_map)
     out["uncollected_local_ids"] = list(uncollected_ids)
+
+
+def restore_tensor_steps(full: Mapping[str, Any], state: dict[int, dict[str, Any]]) -> None:
+    """Make the numbers ``to_fairscale_form`` made of 0-dim ``step`` tensors tensors again, in the
+    shard ``state`` read from ``full``: the form the optimizer's own ``state_dict()`` has."""
+    name = full.get(STEP_DTYPE)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        return
+    for entry in state.values():
+        step = entry.get("step")
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            entry["step"] = torch.tensor(float(step), dtype=dtype)
 
 
 def fairscale_order(layout: Layout) -> list[str]:

@@ -53,7 +53,13 @@ from fsdp.core.layout import (
     digest_of,
     gather_full_flat,
 )
-from fsdp.state.optim_fairscale import fairscale_order, one_rank_singletons, to_fairscale_form
+from fsdp.state.optim_fairscale import (
+    STEP_DTYPE,
+    fairscale_order,
+    one_rank_singletons,
+    restore_tensor_steps,
+    to_fairscale_form,
+)
 
 __all__ = [
     "gather_full_optim_state_dict",
@@ -533,7 +539,8 @@ def get_shard_from_optim_state_dict(
         if optim is not None and "param_names" in optim.param_groups[g]:
             group["param_names"] = list(optim.param_groups[g]["param_names"])
         local_groups.append(group)
-    skip = ("state", "param_groups", "param_names", "param_id_map", "uncollected_local_ids")
+    restore_tensor_steps(full, state)  # (a gathered dict in fairscale's form holds numbers)
+    skip = ("state", "param_groups", "param_names", "param_id_map", "uncollected_local_ids", STEP_DTYPE)
     extras = {k: copy.deepcopy(v) for k, v in full.items() if k not in skip}
     if not grouped:
         return {**extras, "state": state}

@@ -354,8 +354,8 @@ class WrapperBase(
                 for h in self.handles:
                     h.unshard(full)
                     h.use_full_views(as_parameters=False, before_concat=hook)
-                    if token is not None:
-                        h.accumulators.note(token)
+            if token is not None:
+                self._register_post_backward_hooks(token)
             if precision.mixed and self._torch_options.full_prec_in_eval:  # the buffers follow the mode
                 buffers_for_mode(self._fsdp_wrapped_module, self._buffer_dtypes, precision.buffer_dtype, full)
             if token is not None and self._releases_kept_full(self._ctx):
@@ -380,8 +380,11 @@ class WrapperBase(
             # See [Note: no_sync].
             grad_enabled = opened.token is not None
             keep_full = grad_enabled and (not self._reshard_after_forward or (not ctx.sync and ctx.keep_full))
-            for h in self.handles:
-                h.reshard(free_full=not keep_full)
+            if keep_full:
+                for h in self.handles:
+                    h.reshard(free_full=False)
+            else:
+                self._free_full_params()
             if not keep_full and any(h.gathers for h in self.handles):
                 ctx.scheduler.freed()  # See [Note: limit_all_gathers]
             if self._is_root and not grad_enabled:  # (inner wrappers may offload, the root not)

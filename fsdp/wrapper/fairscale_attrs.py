@@ -8,16 +8,17 @@ wrapped module has an attribute of the same name (``nn.LSTM.flatten_parameters``
 fairscale's ``named_parameters()``: plain names inside ``summon_full_params`` and for parameters
 that are not flattened, and fairscale's (or torch FSDP1's) names of the flat parameters outside it;
 ``model.module`` as fairscale's ``FlattenParamsWrapper`` level for a wrapper built fairscale's way
-(:class:`FlattenParamsLevel`); and the state fairscale keeps in attributes of its own, read from the
-handles and the root's context (``has_full_params``, ``_require_backward_grad_sync``), with its
-debugging aid ``_print_r0`` (logged, never printed).
+(:class:`FlattenParamsLevel`); two steps of fairscale's forward under its method names; and the
+state fairscale keeps in attributes of its own, read from the handles and the root's context
+(``has_full_params``, ``_require_backward_grad_sync``), with its debugging aid ``_print_r0``
+(logged, never printed).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -317,6 +318,25 @@ class FairscaleAttributes(WrapperMixin):
                 "no_sync() of this wrapper tree is not over); call it between steps"
             )
         root._release_context()
+
+    # fairscale's names for two steps of its forward, kept as methods that the forward calls through
+    # ``self``: code written for fairscale patches or overrides them (to delay the free, to count the
+    # registrations), and a replaced one takes the place of the original as it did there. (The third,
+    # ``_register_pre_backward_hooks``, is the wrapper's own.)
+    def _register_post_backward_hooks(self, token: Any = None) -> None:
+        """Arm the post-backward hook of each flat parameter for the backward of the forward ``token``
+        stands for (fairscale: called in every forward)."""
+        for h in self.handles:
+            h.accumulators.note(token)
+
+    def _free_full_params(self, params: Sequence[torch.Tensor] | None = None) -> None:
+        """Free the full parameters of this wrapper (of the flat parameters in ``params`` only, if
+        given) and point the module back at its shards, as fairscale's method of this name does at
+        the end of a forward. Parameters that are not gathered are left as they are."""
+        wanted = None if params is None else {id(p) for p in params}
+        for h in self.handles:
+            if wanted is None or id(h.flat_param) in wanted:
+                h.reshard(free_full=True)
 
     def _print_r0(self, msg: str, restart: bool = False) -> None:
         """fairscale's debugging aid: on rank 0, log ``msg`` at INFO (this module's logger) with this

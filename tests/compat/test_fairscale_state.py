@@ -364,6 +364,12 @@ def _same_local_state(got: dict[Any, dict[str, Any]], want: dict[int, dict[str, 
     return diffs
 
 
+def _step_types(state: dict[Any, dict[str, Any]]) -> list[Any]:
+    return [
+        (type(s["step"]), getattr(s["step"], "dtype", None)) for _, s in sorted(state.items()) if "step" in s
+    ]
+
+
 OPTIMIZERS = {  # fairscale's test_consolidate_optimizer uses these three
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
@@ -409,10 +415,15 @@ def _gather_for_fairscale(optimizer: str) -> dict[str, Any]:
         "full_is_none_elsewhere": full is None if rank else full is not None,
         # fairscale's reader turns its argument into the shard it returns (the full state is
         # dropped from it, the dicts inside it are left as they were; it keeps the keys it does not
-        # know, our "param_names"); ours does the same, and drops "param_names" too, so that the shard
-        # has the keys of the optimizer's own state dict, as fairscale's test asserts
+        # know, our "param_names" and "step_dtype"); ours does the same, and drops those too, so that
+        # the shard has the keys of the optimizer's own state dict, as fairscale's test asserts
         "fairscale_consumes": shard is given_to_fairscale
-        and sorted(shard) == ["param_groups", "param_names", "state"],
+        and sorted(shard)
+        == ["param_groups", "param_names", "state"] + (["step_dtype"] if optimizer != "sgd" else []),
+        # the full dict holds fairscale's numbers; the shard ours reads from it holds the steps as
+        # the optimizer's own state dict does (fairscale's test_consolidate_optimizer compares types)
+        "steps": [type(s["step"]) for s in saved["state"].values() if "step" in s],
+        "step_types": _step_types(ours_back["state"]) == _step_types(opt.state_dict()["state"]),
         "ours_consumes": ours_back is box[0] and sorted(box[0]) == sorted(opt.state_dict()),
         "inner_unchanged": _same_local_state(full_state, saved["state"]) == [],
     }
@@ -445,6 +456,8 @@ def test_gathered_optimizer_state_is_read_by_fairscales_get_shard(pool: RankPool
         assert r["fairscale_reads_it"] == [], "fairscale's reader gives each rank its own flat state"
         assert r["fairscale_groups"] == [[0, 1, 2]]
         assert r["loaded"] == [] and r["ours_reads_it"] == []
+        assert set(r["steps"]) <= {float}, r["steps"]
+        assert r["step_types"], "the shard's steps are tensors of the optimizer's dtype again"
 
 
 def _gather_experts() -> dict[str, Any]:

@@ -671,3 +671,75 @@ def test_attributes_set_on_a_parameter_are_seen_in_forward(pool: RankPool, flatt
         assert r["mevo"], "MEVO's step differs from the plain model's"
         assert "'_linked_param'" in r["between"] and "sharded now" in r["between"], r["between"]
         assert r["untied"], "MEVO with a projection of its own steps as in the plain model"
+
+
+# ---------------------------------------------------------------------- fairscale's forward methods
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))  # type: ignore[no-any-return]
+
+
+def _pair(**kwargs: Any) -> FSDP:
+    m = _Pair()
+    m.a = FSDP(m.a, **kwargs)  # type: ignore[assignment]
+    return FSDP(m, **kwargs)
+
+
+def _forward_methods(reshard_after_forward: bool) -> dict[str, Any]:
+    """fairscale's TestHooks and MoE delay test: code that replaces ``_register_pre_backward_hooks``,
+    ``_register_post_backward_hooks`` or ``_free_full_params`` on a wrapper sees its forward call them."""
+    from unittest import mock
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    mocked = _pair()
+    mocked._register_post_backward_hooks = mock.MagicMock(return_value=None)
+    mocked._register_pre_backward_hooks = mock.MagicMock(return_value=None)
+    before = (mocked._register_post_backward_hooks.called, mocked._register_pre_backward_hooks.called)
+    mocked(x)
+    after = (mocked._register_post_backward_hooks.called, mocked._register_pre_backward_hooks.called)
+
+    plain, patched = (
+        _pair(reshard_after_forward=reshard_after_forward),
+        _pair(reshard_after_forward=reshard_after_forward),
+    )
+    inner = patched.module.a
+    original = inner._free_full_params
+    calls = []
+
+    def delayed(*args: Any) -> None:
+        calls.append(inner.has_full_params)
+        original(*args)
+
+    with mock.patch.object(inner, "_free_full_params", delayed):
+        for m in (plain, patched):
+            m(x).sum().backward()
+    inner._free_full_params()  # (called by hand between steps: nothing gathered, nothing to do)
+    return {
+        "before": before,
+        "after": after,
+        "calls": calls,
+        "same": all(
+            torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+            for p, q in zip(plain.parameters(), patched.parameters(), strict=True)
+        ),
+        "trains_after": patched(x).sum().item() == plain(x).sum().item(),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_the_forward_calls_fairscales_methods_through_the_wrapper(
+    pool: RankPool, reshard_after_forward: bool
+) -> None:
+    for r in pool.run(_forward_methods, reshard_after_forward):
+        assert r["before"] == (False, False) and r["after"] == (True, True), r
+        # the free after the forward, and (resharding after forward) the one after backward's re-gather
+        # goes through the handles directly; without resharding the forward keeps the full parameters
+        assert r["calls"] == ([True] if reshard_after_forward else []), r["calls"]
+        assert r["same"] and r["trains_after"], r
