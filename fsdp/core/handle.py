@@ -56,7 +56,13 @@ from fsdp.core.flat_param import (
 )
 from fsdp.core.grad_hooks import AccumulatorHooks
 from fsdp.core.handle_grads import GRAD_TRANSITIONS, GradState, HandleGradients, _same_bits
-from fsdp.core.param_attrs import carry_attributes, linked_indices, linked_version, record_places
+from fsdp.core.param_attrs import (
+    carry_attributes,
+    linked_indices,
+    linked_version,
+    publish_torch_attributes,
+    record_places,
+)
 from fsdp.core.placeholders import is_placeholder
 from fsdp.core.saved_views import SavedViews
 from fsdp.core.sharding import ShardSpec, shard_spec
@@ -236,6 +242,8 @@ class FlatParamHandle(HandleGradients):
             _free_storage(self._lp_shard)
         self._active = self._full
         self._full_version = -1
+        # See [Note: torch's flat parameter attributes] in fsdp/core/param_attrs.py
+        publish_torch_attributes(self.flat_param, self._shard, self._lp_shard if self.mixed else None)
 
     def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
         """``module.half()`` / ``.to()`` / ``.cuda()`` replaced ``flat_param.data`` between steps: the
@@ -511,7 +519,7 @@ class FlatParamHandle(HandleGradients):
         self._free_full()  # (a full parameter kept for the old shard)
         if self.aliased:
             self._full = data
-        self._shard = data
+        self._shard = self.flat_param._local_shard = data  # type: ignore[attr-defined]  # (torch's name)
 
     def write_back_(self) -> None:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""

@@ -31,6 +31,17 @@ from wrapping time and get no gradient, so:
 
 Reading ``.grad`` of such a view warns once, as torch does for any tensor that is not a leaf
 (autograd does not fill it); the value read is the one set by hand, as on fairscale's parameter.
+
+[Note: torch's flat parameter attributes]
+Code written for torch FSDP1 tells whether a unit is gathered by comparing ``flat_param.data`` with
+``flat_param._local_shard`` and reads the freed compute-dtype shard ``flat_param._mp_shard`` (torch's
+own mixed-precision tests do, in the forward of their modules). The names are torch's and so is
+the meaning: ``_local_shard`` is ``_shard``, set whenever ``_shard`` changes; ``_mp_shard``, under
+mixed precision only, is ``_lp_shard``, whose storage is freed except during an all-gather. They
+are plain attributes of the ``nn.Parameter``, as torch's are (a subclass would change what
+``torch.compile`` and ``isinstance`` see). A pickle or ``torch.save`` of the parameter leaves them
+out (a freed storage saved by ``torch.save`` cannot be loaded): the parameter carries its own
+``__getstate__`` for that, and the handle of a loaded or copied model sets them again.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ __all__ = [
     "carry_attributes",
     "linked_indices",
     "linked_version",
+    "publish_torch_attributes",
     "record_places",
     "take_hand_set_grad",
 ]
@@ -138,6 +150,8 @@ def attributes_of(param: nn.Parameter, fqn: str) -> tuple[tuple[str, Any], ...]:
     """The attributes ``param`` carries (its ``__dict__``), a parameter among them as a :class:`Link`."""
     items = []
     for k, v in vars(param).items():
+        if k in _TORCH_ATTRIBUTES or k == "__getstate__":  # (a flat parameter's own: not carried)
+            continue
         if isinstance(v, nn.Parameter):
             link = Link(fqn, k, v)
             if link.place is None:
@@ -187,3 +201,31 @@ def take_hand_set_grad(view: torch.Tensor) -> torch.Tensor | None:
     if grad is not None:
         view.grad = None
     return grad
+
+
+_TORCH_ATTRIBUTES = ("_local_shard", "_mp_shard")
+
+
+class _StateWithoutBuffers:
+    """A flat parameter's ``__getstate__`` (what ``pickle`` and ``torch.save`` keep of its attributes):
+    its ``__dict__`` without torch's buffer attributes, which its handle sets again after loading. A
+    freed ``_mp_shard`` saved by ``torch.save`` could not be loaded."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = weakref.ref(param)
+
+    def __call__(self) -> dict[str, Any]:
+        param = self.param()
+        kept = {} if param is None else param.__dict__
+        return {k: v for k, v in kept.items() if k not in _TORCH_ATTRIBUTES and k != "__getstate__"}
+
+
+def publish_torch_attributes(param: nn.Parameter, shard: torch.Tensor, mp_shard: torch.Tensor | None) -> None:
+    """Set torch FSDP1's ``_local_shard`` and (under mixed precision) ``_mp_shard`` on ``param``."""
+    if not isinstance(param.__dict__.get("__getstate__"), _StateWithoutBuffers):
+        param.__getstate__ = _StateWithoutBuffers(param)  # type: ignore[attr-defined]
+    param._local_shard = shard  # type: ignore[attr-defined]
+    if mp_shard is None:
+        param.__dict__.pop("_mp_shard", None)
+    else:
+        param._mp_shard = mp_shard  # type: ignore[attr-defined]

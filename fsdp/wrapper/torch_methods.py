@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.api import BackwardPrefetch, StateDictSettings, StateDictType
+from fsdp.api import BackwardPrefetch, StateDictSettings, StateDictType, TrainingState
 from fsdp.comm.consistency import CHECKPOINT_WRAPPED, collective, plain_name
 from fsdp.core.layout import Layout, describe
 from fsdp.core.wrapper_protocol import Wrapper, WrapperMixin
@@ -241,10 +241,15 @@ class TorchFSDPMethods(WrapperMixin):
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``nn.Module.named_buffers``; refuses torch's DCP state-dict functions given optimizers
-        (see :func:`_refuse_torchs_dcp_optimizer_state`)."""
+        """``nn.Module.named_buffers``, and as torch FSDP1's: inside ``summon_full_params`` under the plain
+        module's names (no ``_fsdp_wrapped_module`` levels), the names ``state_dict()`` gives them.
+        Refuses torch's DCP state-dict functions given optimizers (see
+        :func:`_refuse_torchs_dcp_optimizer_state`)."""
         _refuse_torchs_dcp_optimizer_state()
-        return nn.Module.named_buffers(self, prefix, recurse, remove_duplicate)  # type: ignore[arg-type]
+        named = nn.Module.named_buffers(self, prefix, recurse, remove_duplicate)  # type: ignore[arg-type]
+        if self.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+            return named
+        return ((plain_name(name), b) for name, b in named)
 
     def check_is_root(self) -> bool:
         """torch FSDP1's: whether this wrapper is the root (outermost) one. Before the first forward

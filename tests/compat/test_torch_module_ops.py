@@ -467,7 +467,9 @@ def _pickled(how: str, mixed: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize(("how", "mixed"), [("pickle", False), ("pickle", True), ("torch.save", False)])
+@pytest.mark.parametrize(
+    ("how", "mixed"), [("pickle", False), ("pickle", True), ("torch.save", False), ("torch.save", True)]
+)
 def test_a_pickled_wrapped_model_loads_and_trains_on(pool: RankPool, how: str, mixed: bool) -> None:
     for r in pool.run(_pickled, how, mixed):
         assert r["fresh_rebound"] and r["trained_rebound"], (

@@ -1,0 +1,108 @@
+"""torch FSDP1's flat parameter attributes and buffer names, from the scenarios of its mixed precision
+tests: a module checks in its own forward whether its unit is gathered (``flat_param.data`` is not
+``flat_param._local_shard``) and that the compute-dtype shard ``_mp_shard`` is freed; the names
+``named_buffers()`` gives inside ``summon_full_params`` are those of ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecision
+
+from fsdp import FullyShardedDataParallel as FSDP
+from tests.rank_pool import RankPool
+
+F16 = torch.float16
+
+
+class _Checking(nn.Module):
+    """A linear layer that records, in its forward, what torch's ``LinearMixedPrecision`` checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(10, 10, bias=False)
+        self.register_buffer("buffer", torch.randn(1, 2, dtype=torch.float64))
+        self.root: FSDP | None = None
+        self.seen: list[dict[str, Any]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.root is not None
+        for p in self.root.params:
+            self.seen.append(
+                {
+                    "active": p.data.data_ptr() != p._local_shard.data_ptr(),
+                    "dtype": p.dtype,
+                    "mp_freed": p._mp_shard.untyped_storage().size() == 0
+                    if hasattr(p, "_mp_shard")
+                    else None,
+                }
+            )
+        return self.lin(x)  # type: ignore[no-any-return]
+
+
+def _attributes(param_dtype: torch.dtype | None) -> dict[str, Any]:
+    module = _Checking()
+    model = FSDP(module, mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=F16))
+    module.root = model
+    optim = torch.optim.Adam(model.parameters())
+    idle = []
+    for _ in range(2):
+        model(torch.randn(3, 10)).float().sum().backward()
+        optim.step()
+        idle += [
+            {
+                "at_shard": p.data.data_ptr() == p._local_shard.data_ptr(),
+                "dtype": p.dtype,
+                "mp": None if not hasattr(p, "_mp_shard") else p._mp_shard.untyped_storage().size(),
+            }
+            for p in model.params
+        ]
+    buffer = io.BytesIO()
+    module.root = None
+    torch.save(model, buffer)  # (a freed _mp_shard is left out: the file loads)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    return {
+        "seen": module.seen,
+        "idle": idle,
+        "loaded": [
+            (p.data.data_ptr() == p._local_shard.data_ptr(), hasattr(p, "_mp_shard")) for p in loaded.params
+        ],
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("param_dtype", [F16, None])
+def test_flat_parameters_carry_torchs_shard_attributes(
+    pool: RankPool, param_dtype: torch.dtype | None
+) -> None:
+    mixed = param_dtype is not None
+    for r in pool.run(_attributes, param_dtype):
+        assert r["seen"] and all(s["active"] for s in r["seen"]), (
+            "in forward the flat parameter is the full one"
+        )
+        assert {s["dtype"] for s in r["seen"]} == {F16 if mixed else torch.float32}, r["seen"]
+        assert {s["mp_freed"] for s in r["seen"]} == ({True} if mixed else {None}), r["seen"]
+        assert r["idle"] and all(i["at_shard"] and i["dtype"] == torch.float32 for i in r["idle"]), r["idle"]
+        assert {i["mp"] for i in r["idle"]} == ({0} if mixed else {None}), r["idle"]
+        assert r["loaded"] == [(True, mixed)], r["loaded"]
+
+
+def test_named_buffers_inside_summon_have_the_state_dict_names(single_rank_group: Any) -> None:
+    model = FSDP(nn.Sequential(FSDP(_Checking()), _Checking()))
+    outside = [name for name, _ in model.named_buffers()]
+    assert all(name.startswith("_fsdp_wrapped_module.") for name in outside), outside
+    with model.summon_full_params(model):
+        inside = dict(model.named_buffers())
+    assert (
+        sorted(inside)
+        == sorted(k for k in model.state_dict() if k.endswith("buffer"))
+        == ["0.buffer", "1.buffer"]
+    )
+    assert [name for name, _ in model.named_buffers()] == outside, "outside again: the wrapper's names"
