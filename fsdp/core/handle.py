@@ -243,7 +243,8 @@ class FlatParamHandle(HandleGradients):
         self._active = self._full
         self._full_version = -1
         # See [Note: torch's flat parameter attributes] in fsdp/core/param_attrs.py
-        publish_torch_attributes(self.flat_param, self._shard, self._lp_shard if self.mixed else None)
+        lp_shard = self._lp_shard if self.mixed else None
+        publish_torch_attributes(self.flat_param, self._shard, lp_shard, self._full)
 
     def follow_conversion(self, param_dtype: torch.dtype | None, device: torch.device) -> None:
         """``module.half()`` / ``.to()`` / ``.cuda()`` replaced ``flat_param.data`` between steps: the
@@ -518,8 +519,8 @@ class FlatParamHandle(HandleGradients):
             )
         self._free_full()  # (a full parameter kept for the old shard)
         if self.aliased:
-            self._full = data
-        self._shard = self.flat_param._local_shard = data  # type: ignore[attr-defined]  # (torch's name)
+            self._full = self.flat_param._full_param_padded = data  # type: ignore[attr-defined]
+        self._shard = self.flat_param._local_shard = data  # type: ignore[attr-defined]  # (torch's names)
 
     def write_back_(self) -> None:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""

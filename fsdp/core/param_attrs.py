@@ -34,10 +34,15 @@ Reading ``.grad`` of such a view warns once, as torch does for any tensor that i
 
 [Note: torch's flat parameter attributes]
 Code written for torch FSDP1 tells whether a unit is gathered by comparing ``flat_param.data`` with
-``flat_param._local_shard`` and reads the freed compute-dtype shard ``flat_param._mp_shard`` (torch's
-own mixed-precision tests do, in the forward of their modules). The names are torch's and so is
-the meaning: ``_local_shard`` is ``_shard``, set whenever ``_shard`` changes; ``_mp_shard``, under
-mixed precision only, is ``_lp_shard``, whose storage is freed except during an all-gather. They
+``flat_param._local_shard``, reads the freed compute-dtype shard ``flat_param._mp_shard`` (torch's
+own mixed-precision tests do, in the forward of their modules), and the storage size of the full
+buffer ``flat_param._full_param_padded`` to see whether a unit resharded (reaching the flat
+parameter through the wrapper's private ``_handle``, which the wrapper answers with its handle).
+The names are torch's and so is the meaning: ``_local_shard`` is ``_shard``, set whenever
+``_shard`` changes; ``_full_param_padded`` is ``_full`` (the compute-dtype padded full buffer,
+storage freed while resharded; the shard itself where the two are one, at world size 1 without a
+cast); ``_mp_shard``, under mixed precision only, is ``_lp_shard``, whose storage is freed except
+during an all-gather. They
 are plain attributes of the ``nn.Parameter``, as torch's are (a subclass would change what
 ``torch.compile`` and ``isinstance`` see). A pickle or ``torch.save`` of the parameter leaves them
 out (a freed storage saved by ``torch.save`` cannot be loaded): the parameter carries its own
@@ -203,13 +208,13 @@ def take_hand_set_grad(view: torch.Tensor) -> torch.Tensor | None:
     return grad
 
 
-_TORCH_ATTRIBUTES = ("_local_shard", "_mp_shard")
+_TORCH_ATTRIBUTES = ("_local_shard", "_mp_shard", "_full_param_padded")
 
 
 class _StateWithoutBuffers:
     """A flat parameter's ``__getstate__`` (what ``pickle`` and ``torch.save`` keep of its attributes):
     its ``__dict__`` without torch's buffer attributes, which its handle sets again after loading. A
-    freed ``_mp_shard`` saved by ``torch.save`` could not be loaded."""
+    freed ``_mp_shard`` or ``_full_param_padded`` saved by ``torch.save`` could not be loaded."""
 
     def __init__(self, param: nn.Parameter) -> None:
         self.param = weakref.ref(param)
@@ -220,11 +225,15 @@ class _StateWithoutBuffers:
         return {k: v for k, v in kept.items() if k not in _TORCH_ATTRIBUTES and k != "__getstate__"}
 
 
-def publish_torch_attributes(param: nn.Parameter, shard: torch.Tensor, mp_shard: torch.Tensor | None) -> None:
-    """Set torch FSDP1's ``_local_shard`` and (under mixed precision) ``_mp_shard`` on ``param``."""
+def publish_torch_attributes(
+    param: nn.Parameter, shard: torch.Tensor, mp_shard: torch.Tensor | None, full: torch.Tensor
+) -> None:
+    """Set torch FSDP1's ``_local_shard``, ``_full_param_padded`` and (under mixed precision)
+    ``_mp_shard`` on ``param``."""
     if not isinstance(param.__dict__.get("__getstate__"), _StateWithoutBuffers):
         param.__getstate__ = _StateWithoutBuffers(param)  # type: ignore[attr-defined]
     param._local_shard = shard  # type: ignore[attr-defined]
+    param._full_param_padded = full  # type: ignore[attr-defined]
     if mp_shard is None:
         param.__dict__.pop("_mp_shard", None)
     else:

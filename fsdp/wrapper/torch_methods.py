@@ -251,6 +251,26 @@ class TorchFSDPMethods(WrapperMixin):
             return named
         return ((plain_name(name), b) for name, b in named)
 
+    # torch FSDP1's private names for a wrapper's flat-parameter handles, read by code that inspects
+    # flat parameters (``model._handle.flat_param``). The objects are this library's handles: their
+    # ``flat_param`` is the flat parameter, with torch's attributes on it (See [Note: torch's flat
+    # parameter attributes] in fsdp/core/param_attrs.py); torch's other handle attributes are not there.
+    @property
+    def _handles(self) -> list[Any]:
+        """This wrapper's flat-parameter handles (torch's older private list)."""
+        return list(self.handles)
+
+    @property
+    def _handle(self) -> Any:
+        """This wrapper's flat-parameter handle (torch's private attribute), None without parameters."""
+        if len(self.handles) > 1:
+            raise RuntimeError(
+                f"FullyShardedDataParallel._handle: this wrapper holds {len(self.handles)} flat parameters (frozen "
+                "and trainable ones, or several dtypes, are flattened apart), torch's one handle cannot stand for "
+                "them; read model._handles or model.params"
+            )
+        return self.handles[0] if self.handles else None
+
     def check_is_root(self) -> bool:
         """torch FSDP1's: whether this wrapper is the root (outermost) one. Before the first forward
         the outermost wrapper becomes the root here, as the first forward would make it (collective

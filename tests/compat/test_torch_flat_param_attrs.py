@@ -106,3 +106,47 @@ def test_named_buffers_inside_summon_have_the_state_dict_names(single_rank_group
         == ["0.buffer", "1.buffer"]
     )
     assert [name for name, _ in model.named_buffers()] == outside, "outside again: the wrapper's names"
+
+
+def _handles_and_full_buffer() -> dict[str, Any]:
+    """torch's test_fsdp_module_no_compute_grad (``_handles[0].flat_param.grad``) and the first half of
+    test_unshard_params_respects_reshard (``_handle.flat_param._full_param_padded``'s storage)."""
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(5, 5, bias=False)), nn.Linear(5, 3, bias=False)))
+    outer, inner = model._handle.flat_param, model.module[0]._handle.flat_param
+
+    def held() -> tuple[int, int]:
+        return tuple(p._full_param_padded.untyped_storage().size() // 4 for p in (outer, inner))  # type: ignore[return-value]
+
+    out = model(torch.zeros(5))
+    after_forward = held()
+    out.sum().backward()
+    frozen = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    frozen[0].requires_grad_(False)
+    two = FSDP(frozen)
+    try:
+        two._handle  # noqa: B018
+        refusal = ""
+    except RuntimeError as e:
+        refusal = str(e)
+    return {
+        "same": outer is model.params[0] and model._handles == [model._handle],
+        "numel": outer.numel(),
+        "after_forward": after_forward,
+        "after_backward": held(),
+        "grads": [p.grad is not None for p in (outer, inner)],
+        "empty": FSDP(nn.ReLU())._handle is None,
+        "two": len(two._handles),
+        "refusal": refusal,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_torchs_private_handles_lead_to_the_flat_parameters(pool: RankPool) -> None:
+    for r in pool.run(_handles_and_full_buffer):
+        assert r["same"], r
+        # the root keeps its full parameter after forward (torch's default), the inner unit frees it;
+        # both are freed after backward
+        assert r["after_forward"] == (2 * r["numel"], 0), r
+        assert r["after_backward"] == (0, 0) and r["grads"] == [True, True], r
+        assert r["empty"] and r["two"] == 2 and "holds 2 flat parameters" in r["refusal"], r
