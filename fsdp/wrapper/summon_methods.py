@@ -18,7 +18,16 @@ from fsdp.api import MemoryState, TrainingState
 from fsdp.comm.consistency import collective
 from fsdp.core.wrapper_protocol import Wrapper, WrapperMixin, as_module
 
-__all__ = ["SummonMethods"]
+__all__ = ["SummonDuringStepError", "SummonMethods"]
+
+
+class SummonDuringStepError(RuntimeError, AssertionError):
+    """``summon_full_params()`` called during a forward or backward of the wrappers it would gather:
+    the ``RuntimeError`` this library raises for misuse, and the ``AssertionError`` torch FSDP1
+    raises there (code written for either catches it)."""
+
+
+_IN_A_STEP = (TrainingState.FORWARD, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
 
 
 class SummonMethods(WrapperMixin):
@@ -75,6 +84,13 @@ class SummonMethods(WrapperMixin):
                 "StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True))"
             )
         wrappers = self._wrappers() if recurse else [self]
+        busy = [w for w in wrappers if w.training_state in _IN_A_STEP]
+        if busy:
+            raise SummonDuringStepError(
+                "FullyShardedDataParallel.summon_full_params: Cannot manually unshard parameters during "
+                f"forward/backward (a wrapper is in {busy[0].training_state.name}); call it between steps, "
+                "after backward"
+            )
         for w in wrappers:
             w.assert_state(TrainingState.IDLE)
         self._require_groups("summon_full_params()")

@@ -171,3 +171,47 @@ def test_gradient_edits_inside_summon_stay_as_in_torch(
     """With writeback they stay; without, they stay only under NO_SHARD (torch shows the gradient's own
     storage there; they were dropped)."""
     assert pool.run(_grad_edits, strategy, writeback) == [writeback or strategy == "NO_SHARD"] * 2
+
+
+def _summon_during_a_step() -> dict[str, Any]:
+    """torch's test_unshard_params_from_forward_raises / _from_backward_raises."""
+
+    class Summoning(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(5))
+
+        def forward(self, fsdp_module: nn.Module) -> None:
+            with FSDP.summon_full_params(fsdp_module):
+                pass
+
+    errors = []
+    model = FSDP(Summoning())
+    try:
+        model(model)
+    except AssertionError as e:
+        errors.append((isinstance(e, RuntimeError), str(e)))
+    with FSDP.summon_full_params(model):  # between steps again
+        summoned = model.a.shape
+    linear = FSDP(nn.Linear(2, 1))
+    out = linear(torch.ones(2))
+
+    def hook(*args: Any) -> None:
+        with FSDP.summon_full_params(linear):
+            pass
+
+    out.register_hook(hook)
+    try:
+        out.sum().backward()
+    except AssertionError as e:
+        errors.append((isinstance(e, RuntimeError), str(e)))
+    return {"errors": errors, "summoned": tuple(summoned)}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_summon_during_forward_or_backward_raises_torchs_assertion(pool: RankPool) -> None:
+    for r in pool.run(_summon_during_a_step):
+        assert len(r["errors"]) == 2, r
+        for is_runtime_error, text in r["errors"]:
+            assert is_runtime_error and "Cannot manually unshard parameters during forward/backward" in text
+        assert r["summoned"] == (5,), "the wrapper is usable after the refusal in forward"
