@@ -383,6 +383,24 @@ class HandleGradients:
         if self.grad_state is GradState.UNSYNCED:
             self._set_grad_state(GradState.IDLE)
 
+    def abandon_backward(self) -> None:
+        """A backward that raised and never reached its end (see ``clear_aborted_backward`` in
+        fsdp/wrapper/root_context.py): wait for the reduction it sent (every rank that stopped at the
+        same place sent its part), drop what was not reduced into ``.grad`` yet, and give ``.grad``
+        back the shard gradient stashed before that backward. A gradient already reduced into
+        ``.grad`` stays, as a plain model keeps what its stopped backward accumulated. Call with
+        ``flat_param.data`` the shard."""
+        if self._pending is not None and self._pending.launched:
+            self._pending.wait()
+        if self._grad_copy is not None and self.copies is not None:
+            self.copies.synchronize()
+        self._pending = self._grad_copy = None
+        if self.grad_state in (GradState.REDUCING, GradState.BUCKETED, GradState.COPYING):
+            self._set_grad_state(GradState.IDLE)
+        if self.grad_state is not GradState.REDUCED:  # (.grad: autograd's full sum, or nothing new)
+            self.flat_param.grad = self._saved_grad_shard
+        self._saved_grad_shard = None
+
     def end_backward(self) -> None:
         """End of backward: a reduced gradient is just the shard gradient now; what a backward that
         raised before its end left in flight is dropped. See [Note: gradient state]."""

@@ -68,7 +68,7 @@ from fsdp.wrapper.fairscale_attrs import FairscaleAttributes
 from fsdp.wrapper.grad_methods import GradientMethods
 from fsdp.wrapper.mixed_precision import buffers_for_mode, cast_inputs
 from fsdp.wrapper.module_ops import ModuleOps
-from fsdp.wrapper.root_context import RootContext
+from fsdp.wrapper.root_context import RootContext, clear_aborted_backward, end_backward_states
 from fsdp.wrapper.shared_params import check_no_pending_ties
 from fsdp.wrapper.state_methods import StateDictMethods
 from fsdp.wrapper.stats_methods import StatsMethods
@@ -301,6 +301,14 @@ class WrapperBase(
         if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
             return self._forward_in_summon(*args, **kwargs)
         self._lazy_init()
+        ctx = self._ctx
+        if (
+            self._is_root
+            and ctx is not None
+            and ctx.callback_queued
+            and torch._C._current_graph_task_id() == -1
+        ):
+            clear_aborted_backward(ctx)  # (a backward that raised never reached its end)
         if self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
             return self._recompute_forward(*args, **kwargs)
         args, kwargs, opened = self._begin_forward(args, kwargs)
@@ -624,20 +632,7 @@ class WrapperBase(
                     if h.on_reduced is not None and h.grad_state is GradState.REDUCED:
                         h.on_reduced(h)  # (reduced while its full parameter was still in use)
         finally:
-            if ctx.bucketer is not None and ctx.bucketer._active:
-                ctx.bucketer.abort()
-            ctx.in_flight.clear()
-            for w in ctx.wrappers:
-                for h in w.handles:
-                    h.end_backward()
-                    h.accumulators.end_backward()
-                w._pre_backward_done = False
-                if w._views_tracked:
-                    w._views_tracked = False
-                    for h in w.handles:
-                        h.saved_views.armed = h.saved_views.unsure = False
-                if w.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-                    w.training_state = TrainingState.IDLE  # (not a wrapper in a forward or summon of its own)
+            end_backward_states(ctx)
 
 
 def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list[WrapperBase]:

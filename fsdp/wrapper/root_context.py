@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 import weakref
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from torch import nn
 
+from fsdp.api import TrainingState
 from fsdp.comm.buckets import GradBucketer
 from fsdp.comm.collectives import CommStats
 from fsdp.comm.consistency import wrapper_path
@@ -25,7 +27,7 @@ from fsdp.core.handle import FlatParamHandle, MemoryStats
 from fsdp.core.no_shard_buckets import make_no_shard_bucketer
 from fsdp.core.wrapper_protocol import Wrapper
 
-__all__ = ["CHECK_UNITS", "RootContext"]
+__all__ = ["CHECK_UNITS", "RootContext", "clear_aborted_backward", "end_backward_states"]
 
 CHECK_UNITS = "FSDP_CHECK_UNITS"  # the environment variable read at a root's lazy init
 
@@ -100,3 +102,45 @@ class RootContext(Generic[W]):
         for h in [h for h in self.in_flight if h.reduction_finishable]:  # (a queued bucket holds up none)
             self.in_flight.remove(h)
             h.finalize_gradient(asynchronous=True)
+
+
+def end_backward_states(ctx: RootContext[Any]) -> None:
+    """The last part of every end of backward, also of one that raised: buckets and reductions in
+    flight forgotten, each handle's backward ended, every wrapper in a backward state back to IDLE
+    (not one in a forward or summon of its own)."""
+    if ctx.bucketer is not None and ctx.bucketer._active:
+        ctx.bucketer.abort()
+    ctx.in_flight.clear()
+    for w in ctx.wrappers:
+        for h in w.handles:
+            h.end_backward()
+            h.accumulators.end_backward()
+        w._pre_backward_done = False
+        if w._views_tracked:
+            w._views_tracked = False
+            for h in w.handles:
+                h.saved_views.armed = h.saved_views.unsure = False
+        if w.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            w.training_state = TrainingState.IDLE
+
+
+def clear_aborted_backward(ctx: RootContext[Any]) -> None:
+    """A backward that raised (a tensor hook, an out-of-memory error the program caught) never ran its
+    end-of-backward callback: clear what it left, at the root's next forward, outside any backward.
+    What it had reduced into ``.grad`` stays, as a plain model keeps what its stopped backward
+    accumulated; reductions in flight are waited for and dropped (``abandon_backward``); every
+    wrapper and handle returns to IDLE. See the decision in docs/design.md."""
+    warnings.warn(
+        "FullyShardedDataParallel: the previous backward did not finish (it raised); what it left is "
+        "cleared now. Gradients it had reduced before it stopped are in .grad, as on a plain model: call "
+        "zero_grad() to drop them",
+        stacklevel=4,
+    )
+    ctx.callback_queued = False
+    if ctx.bucketer is not None and ctx.bucketer._active:
+        ctx.bucketer.abort()  # (waits for its launched all-reduces first)
+    for w in ctx.wrappers:
+        for h in w.handles:
+            h.reshard(free_full=True)
+            h.abandon_backward()
+    end_backward_states(ctx)

@@ -4,6 +4,7 @@ that raises before its end. See [Note: gradient state] in fsdp/core/handle.py.""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -108,3 +109,61 @@ def test_a_backward_that_raises_before_its_end_leaves_every_state_idle(pool: Ran
         assert "REDUCING>IDLE" in r["changes"], r  # a reduction still in flight was dropped
         assert r["grad_states"] == {"IDLE"} and not r["left_in_flight"], r
         assert r["training_states"] == {TrainingState.IDLE.name}, r
+
+
+# ---------------------------------------------------------------------- a backward that raised
+def _aborted_backward(where: str, strategy: str) -> dict[str, Any]:
+    """A backward that a tensor hook stops (as a caught out-of-memory error in backward would): after
+    zero_grad() the next steps train exactly as if that step had not happened."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        kwargs = {"sharding_strategy": ShardingStrategy[strategy]}
+        m[0] = FSDP(m[0], **kwargs)
+        m[2] = FSDP(m[2], **kwargs)
+        model = FSDP(m, **kwargs)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    rank = dist.get_rank()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    failed, opt = build()
+    stop = {}
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("stopped in backward")
+
+    hidden = failed.module[1](failed.module[0](x))  # (the first unit's output: its backward comes last)
+    out = failed.module[4](failed.module[3](failed.module[2](hidden)))
+    (out if where == "output" else hidden).register_hook(boom)
+    try:
+        out.sum().backward()
+    except ValueError as e:
+        stop["error"] = str(e)
+    opt.zero_grad()
+    reference, ref_opt = build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for model, optim in ((failed, opt), (reference, ref_opt)):
+            for _ in range(2):
+                model(x).sum().backward()
+                optim.step()
+                optim.zero_grad()
+    return {
+        "stopped": stop.get("error", ""),
+        "warned": any("the previous backward did not finish" in str(w.message) for w in caught),
+        "same": all(
+            torch.equal(a, b) for a, b in zip(failed.state_dict().values(), reference.state_dict().values())
+        ),
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("where", ["output", "between units"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_training_goes_on_exactly_after_a_backward_that_raised(
+    pool: RankPool, where: str, strategy: str
+) -> None:
+    for r in pool.run(_aborted_backward, where, strategy):
+        assert r["stopped"] == "stopped in backward"
+        assert r["warned"] and r["same"], r
