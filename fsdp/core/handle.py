@@ -242,7 +242,11 @@ class FlatParamHandle(HandleGradients):
             _free_storage(self._lp_shard)
         self._active = self._full
         self._full_version = -1
-        # See [Note: torch's flat parameter attributes] in fsdp/core/param_attrs.py
+        self._publish_torch_attributes()
+
+    def _publish_torch_attributes(self) -> None:
+        """torch's names for the shard and buffers, on the flat parameter, after any of them changed.
+        See [Note: torch's flat parameter attributes] in fsdp/core/param_attrs.py."""
         lp_shard = self._lp_shard if self.mixed else None
         publish_torch_attributes(self.flat_param, self._shard, lp_shard, self._full)
 
@@ -519,8 +523,9 @@ class FlatParamHandle(HandleGradients):
             )
         self._free_full()  # (a full parameter kept for the old shard)
         if self.aliased:
-            self._full = self.flat_param._full_param_padded = data  # type: ignore[attr-defined]
-        self._shard = self.flat_param._local_shard = data  # type: ignore[attr-defined]  # (torch's names)
+            self._full = data
+        self._shard = data
+        self._publish_torch_attributes()
 
     def write_back_(self) -> None:
         """Copy this rank's chunk of the (possibly user-modified) full tensor into the shard."""
