@@ -324,10 +324,10 @@ class FlatParamHandle(HandleGradients):
         the compute buffer kept since a forward and the shard unchanged since (always when aliased)."""
         if self.state is MemoryState.UNSHARDED:
             return not self._released
-        return self.aliased or self._kept_full_valid
+        return self.aliased or self.kept_full_valid
 
     @property
-    def _kept_full_valid(self) -> bool:
+    def kept_full_valid(self) -> bool:
         """FULL_KEPT, and the shard unchanged since: the kept full parameter is its all-gather."""
         return self.state is MemoryState.FULL_KEPT and self._full_version == self.flat_param._version
 
@@ -335,6 +335,17 @@ class FlatParamHandle(HandleGradients):
     def gathers(self) -> bool:
         """Its unshard is an all-gather across ranks (not a copy, a cast or nothing)."""
         return self.spec.world_size > 1
+
+    # torch FSDP1's handle names, for code that inspects handles (``model._handle``)
+    @property
+    def uses_sharded_strategy(self) -> bool:
+        """torch's: the parameter is sharded (every strategy but NO_SHARD at more than one rank)."""
+        return self.gathers
+
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """torch's: the shard's gradient (None once consumed by an optimizer in backward, or zeroed)."""
+        return self.flat_param.grad
 
     @property
     def prefetched(self) -> bool:
@@ -418,7 +429,7 @@ class FlatParamHandle(HandleGradients):
                 pending = all_gather(buf, source, self.comm.process_group, self.stats)
         else:
             buf = self._full
-            if self.aliased or self._kept_full_valid:
+            if self.aliased or self.kept_full_valid:
                 pending = Pending(None, buf)
             else:
                 self.memory.add(_alloc_storage(buf))
@@ -538,7 +549,7 @@ class FlatParamHandle(HandleGradients):
                 if _same_bits(chunk.to(self._shard.device), self._shard):
                     return
                 self._shard.copy_(chunk)
-            # (the shard changed under the full buffer's feet: the summon that wrote it frees it next)
+            # (the full buffer holds what was written: a summon that keeps it, kept from a forward, may)
 
     # ------------------------------------------------------------------ module attributes
     def use_full_views(self, as_parameters: bool, before_concat: Callable[[], None] | None = None) -> None:

@@ -75,9 +75,9 @@ from fsdp.wrapper.stats_methods import StatsMethods
 from fsdp.wrapper.summon_methods import SummonMethods
 from fsdp.wrapper.torch_compat import (
     adopt_attached,
+    adopt_torch_optimizer_in_backward,
     check_full_prec_in_eval,
     full_precision_in_eval,
-    refuse_torch_optimizer_in_backward,
 )
 from fsdp.wrapper.torch_methods import TorchFSDPMethods
 
@@ -333,7 +333,7 @@ class WrapperBase(
         assert self._ctx is not None
         if self._is_root:  # See [Note: agreement before communication]
             agree_on_step(self, FORWARD)
-            refuse_torch_optimizer_in_backward(self._ctx.wrappers)
+            adopt_torch_optimizer_in_backward(self._ctx.wrappers)
         elif self._ctx.check_units:  # a unit, inside the root's forward or called past it
             agree_on_unit(self._ctx.wrappers[0], self)
         set_activity("the forward", self._path)

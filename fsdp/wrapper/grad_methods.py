@@ -72,7 +72,8 @@ class GradientMethods(WrapperMixin):
         handles = [h for w in ctx.wrappers for h in w.handles if h.requires_grad]
         if any(h.on_reduced is not None for h in handles):
             raise RuntimeError(
-                "FullyShardedDataParallel: clip_grad_norm_() with fsdp.optimizer_in_backward: each unit's shard "
+                "FullyShardedDataParallel: clip_grad_norm_() with an optimizer in backward (fsdp.optimizer_in_backward "
+                "or torch's _apply_optimizer_in_backward): each unit's shard "
                 "was already updated in backward, before the last gradient (and so the global norm) existed. "
                 "Clip with a usual optimizer (backward(); clip_grad_norm_(); optimizer.step())"
             )

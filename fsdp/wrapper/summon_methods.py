@@ -34,6 +34,7 @@ class SummonMethods(WrapperMixin):
     """``summon_full_params()``, ``apply()`` and ``reset_parameters()``."""
 
     _summon_rank0_only = False  # inside a summon_full_params(rank0_only=True)
+    _summon_kept: frozenset[int] = frozenset()  # handles (indices) that held their full parameter before it
 
     @contextlib.contextmanager
     @collective("summon_full_params()", agreed=("recurse", "rank0_only", "with_grads"))
@@ -152,15 +153,28 @@ class SummonMethods(WrapperMixin):
                 self._hide_full_params(write_back=False)
 
     def _show_full_params(self, show: bool = True, with_grads: bool = False) -> None:
-        for h in self.handles:
+        # a full parameter kept from a forward (the root between forward and backward), still the
+        # gather of the shards, is shown as it is and kept after, as torch's: the summon costs no gather
+        # then, nor one more in backward. (Under mixed precision the summon shows the fp32 masters,
+        # gathered apart, and the kept buffer is freed; so is one the shards changed under.)
+        self._summon_kept = frozenset(
+            i for i, h in enumerate(self.handles) if h.kept_full_valid and not h.mixed
+        )
+        for i, h in enumerate(self.handles):
             h.unshard(full_precision=True)
             if with_grads:
                 h.gather_grad()
             if not show:  # (rank0_only on another rank) it took part in the gathers: back to the shard
                 h.release_grad(write_back=False)
-                h.reshard(free_full=True)
+                h.reshard(free_full=i not in self._summon_kept)
                 continue
             h.use_full_views(as_parameters=True)
+            if (
+                self.fsdp_config.sharding.flatten_parameters
+            ):  # torch FSDP1's unpadded flat parameter while shown
+                h.flat_param.data = h.flat_param.data[
+                    : h.meta.numel
+                ]  # (one per original: padded, as torch's)
             if with_grads:
                 h.show_grad()
         if not show:
@@ -180,8 +194,9 @@ class SummonMethods(WrapperMixin):
             h.release_grad(write_back)
             if write_back and h.state is MemoryState.UNSHARDED:
                 h.write_back_()
-            h.reshard(free_full=True)
+            h.reshard(free_full=i not in self._summon_kept)
             registered[f"flat_param_{i}"] = h.flat_param
+        self._summon_kept = frozenset()
 
     def apply(self, fn: Callable[[nn.Module], None]) -> Any:
         """``nn.Module.apply`` with this wrapper's full parameters visible to ``fn`` (collective)."""

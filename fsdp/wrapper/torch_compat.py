@@ -32,9 +32,9 @@ from fsdp.wrapper.mixed_precision import cast_inputs
 __all__ = [
     "FULL_PREC_IN_EVAL",
     "adopt_attached",
+    "adopt_torch_optimizer_in_backward",
     "check_full_prec_in_eval",
     "own_precision_modules",
-    "refuse_torch_optimizer_in_backward",
     "resolve_ignored",
     "torch_fsdp_options",
     "torch_options_of",
@@ -459,21 +459,71 @@ def _run_in_fp32(module: nn.Module) -> None:
     module.register_forward_hook(back, with_kwargs=True)
 
 
-def refuse_torch_optimizer_in_backward(wrappers: Sequence[Any]) -> None:
-    """Refuse torch's private ``_apply_optimizer_in_backward`` (torchrec's optimizer in backward) on
-    the tree's flat parameters, at the root's forward: torch keeps their AccumulateGrad nodes from
-    the moment it is applied, when each is the 1-D shard, and a flat parameter becomes the full one in
-    forward, so autograd would refuse the full gradient (``SplitWithSizesBackward0 returned an invalid
-    gradient``) or the post-backward would find none."""
+def adopt_torch_optimizer_in_backward(wrappers: Sequence[Any]) -> None:
+    """Step, in backward, the flat parameters torch's private ``_apply_optimizer_in_backward`` was
+    applied to (torchrec's optimizer in backward), as torch FSDP1 does under ``use_orig_params=True``:
+    each parameter's ``_in_backward_optimizers`` step as soon as its gradient is reduced onto the
+    shard, then ``.grad`` is set to None. Run at the root's forward. See [Note: torch's optimizer in
+    backward]."""
     for w in wrappers:
         for h in w.handles:
-            if hasattr(h.flat_param, "_in_backward_optimizers"):
+            if not hasattr(h.flat_param, "_in_backward_optimizers") or h.on_reduced is _step_torch_optimizers:
+                continue
+            if w.fsdp_config.sharding.flatten_parameters:
                 raise RuntimeError(
                     "FullyShardedDataParallel: torch's private _apply_optimizer_in_backward was applied to the "
                     f"parameters of {w._path or '<root>'!r}. Optimizer in backward is only supported with "
-                    "use_orig_params=True in torch FSDP, and not through that function here: it keeps autograd "
-                    "nodes of the 1-D shards, which become full parameters in forward. Use "
-                    "fsdp.optimizer_in_backward(model, optimizer_class, **optimizer_kwargs), which steps each "
-                    "unit's shard as soon as its gradient is reduced, on a model whose parameters were not "
-                    "given to _apply_optimizer_in_backward"
+                    "use_orig_params=True (or flatten_parameters=False), as in torch FSDP: a flat parameter holds "
+                    "many original parameters, and each needs its own optimizer. Pass use_orig_params=True, or "
+                    "use fsdp.optimizer_in_backward(model, optimizer_class, **optimizer_kwargs), which steps "
+                    "each unit's flat shard as soon as its gradient is reduced"
                 )
+            if h.on_reduced is not None:
+                raise RuntimeError(
+                    "FullyShardedDataParallel: the parameters of "
+                    f"{w._path or '<root>'!r} step in backward twice: through fsdp.optimizer_in_backward and "
+                    "torch's _apply_optimizer_in_backward. Use one of them (call .detach_() on the optimizer "
+                    "fsdp.optimizer_in_backward returned to stop it)"
+                )
+            _forget_autograd_node(h.flat_param)
+            h.on_reduced = _step_torch_optimizers
+
+
+# [Note: torch's optimizer in backward]
+# torch's _apply_optimizer_in_backward(optimizer_class, params, kwargs, register_hook) gives each
+# parameter a list of optimizers over it alone (``_in_backward_optimizers``) and keeps the
+# parameter's AccumulateGrad node alive in a module-level map, with a hook on it unless
+# register_hook=False. On a wrapper's flat parameter that node was made when the parameter was the
+# 1-D shard; in forward the flat parameter becomes the full one, and autograd would hand the full
+# gradient to the shard-shaped node ("returned an invalid gradient"). torch FSDP1 runs the optimizers
+# itself after the reduce-scatter and ignores the hook (its original parameters are not leaves in
+# forward); so here: the node is dropped from torch's map at the root's first forward (autograd makes
+# a new one, shaped as the parameter is then), and the handle's ``on_reduced`` (the hook
+# fsdp.optimizer_in_backward uses) steps the parameter's optimizers once its reduced gradient is on
+# the shard (at the end of backward for a unit that keeps its full parameter through it). Only with
+# one original parameter per flat parameter (use_orig_params=True / flatten_parameters=False): a
+# flat parameter of many originals would need each one's optimizer over a slice, torch refuses it
+# too ("only supported with use_orig_params=True").
+def _forget_autograd_node(param: torch.Tensor) -> None:
+    """Drop torch's kept AccumulateGrad node (and with it the hook) of ``param``."""
+    try:
+        from torch.distributed.optim import apply_optimizer_in_backward as torch_aoib
+    except ImportError:  # pragma: no cover (present in every supported torch)
+        return
+    for kept in (torch_aoib.param_to_acc_grad_map, torch_aoib.param_to_optim_hook_handle_map):
+        if param in kept:
+            del kept[param]
+
+
+def _step_torch_optimizers(handle: Any) -> None:
+    """``on_reduced`` of a handle whose flat parameter carries torch's ``_in_backward_optimizers``: step
+    them once the reduced gradient is on the shard, then free the gradient."""
+    p = handle.flat_param
+    if p.grad is None or not p.requires_grad:
+        return
+    if p.data.data_ptr() != handle.sharded_data().data_ptr():
+        return  # (the full parameter is still shown: called again at the end of backward)
+    with torch.no_grad():
+        for optimizer in p._in_backward_optimizers:
+            optimizer.step()
+    p.grad = None

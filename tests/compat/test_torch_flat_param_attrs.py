@@ -150,3 +150,99 @@ def test_torchs_private_handles_lead_to_the_flat_parameters(pool: RankPool) -> N
         assert r["after_forward"] == (2 * r["numel"], 0), r
         assert r["after_backward"] == (0, 0) and r["grads"] == [True, True], r
         assert r["empty"] and r["two"] == 2 and "holds 2 flat parameters" in r["refusal"], r
+
+
+def _shown_flat_parameters(use_orig_params: bool, strategy: str) -> dict[str, Any]:
+    """torch's test_unshard_params_recurse and test_unshard_singleton_param_writeback (the flat parameter's
+    numel inside ``summon_full_params``) and test_fsdp_not_all_outputs_used_in_loss
+    (``handle.uses_sharded_strategy``)."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    kwargs = {"use_orig_params": use_orig_params, "sharding_strategy": getattr(ShardingStrategy, strategy)}
+    model = FSDP(
+        nn.Sequential(FSDP(nn.Linear(5, 5, bias=False), **kwargs), nn.Linear(5, 3, bias=False)), **kwargs
+    )
+    outer, inner = model._handle.flat_param, model.module[0]._handle.flat_param
+    sharded = (outer.numel(), inner.numel())
+    with FSDP.summon_full_params(model):
+        shown = (outer.numel(), inner.numel())
+        written = outer.data_ptr()
+        with torch.no_grad():
+            outer.fill_(1.5)  # (the whole flat parameter shown: written back below)
+    with FSDP.summon_full_params(model):
+        after = [bool((p == 1.5).all()) for p in model.module[1].parameters()]
+    singleton = FSDP(nn.Linear(1, 1, bias=False), use_orig_params=use_orig_params)
+    with FSDP.summon_full_params(singleton):
+        single = singleton._handle.flat_param.numel()
+    model(torch.zeros(2, 5)).sum().backward()
+    return {
+        "sharded": sharded,
+        "shown": shown,
+        "written": written != 0,
+        "after": after,
+        "single": single,
+        "uses_sharded": model._handle.uses_sharded_strategy,
+        "grad_is_shard_grad": model._handle.sharded_grad is outer.grad and outer.grad is not None,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize(
+    ("use_orig_params", "strategy"), [(False, "FULL_SHARD"), (True, "FULL_SHARD"), (False, "NO_SHARD")]
+)
+def test_a_shown_flat_parameter_has_torchs_numel(
+    pool: RankPool, use_orig_params: bool, strategy: str
+) -> None:
+    """Inside ``summon_full_params`` a flat parameter is torch's: unpadded (15 elements, 25, 1) where it
+    holds the originals flattened; with ``use_orig_params=True`` padded to the world size (16, 26, 2), as
+    torch pads each original of its flat parameter."""
+    for r in pool.run(_shown_flat_parameters, use_orig_params, strategy):
+        if strategy == "NO_SHARD":
+            assert r["sharded"] == r["shown"] == (15, 25) and r["single"] == 1, r
+        elif use_orig_params:
+            assert r["sharded"] == (8, 13) and r["shown"] == (16, 26) and r["single"] == 2, r
+        else:
+            assert r["sharded"] == (8, 13) and r["shown"] == (15, 25) and r["single"] == 1, r
+        assert r["written"] and r["after"] == [True], r
+        assert r["uses_sharded"] is (strategy != "NO_SHARD"), r
+        assert r["grad_is_shard_grad"], r
+
+
+def _kept_through_summon(mixed: bool) -> dict[str, Any]:
+    """torch's test_unshard_params_respects_reshard: a summon between the root's forward and backward
+    keeps the full parameter the root holds (freed under mixed precision, where the summon shows the fp32
+    masters); the gradients are those of a run without the summon, and the buffer is freed after backward."""
+    mp = MixedPrecision(param_dtype=F16) if mixed else None
+
+    def build() -> FSDP:
+        torch.manual_seed(0)
+        inner = FSDP(nn.Linear(5, 5, bias=False), mixed_precision=mp)
+        return FSDP(nn.Sequential(inner, nn.Linear(5, 3, bias=False)), mixed_precision=mp)
+
+    model, reference = build(), build()
+    outer = model._handle.flat_param
+
+    def held() -> int:
+        return outer._full_param_padded.untyped_storage().size()
+
+    x = torch.randn(4, 5)
+    out = model(x)
+    before = held()
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
+        pass
+    with FSDP.summon_full_params(model, writeback=True):
+        pass
+    during = held()
+    out.float().sum().backward()
+    reference(x).float().sum().backward()
+    same_grads = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    return {"before": before, "during": during, "same_grads": same_grads, "after": held()}
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_summon_keeps_the_full_parameter_a_forward_kept(pool: RankPool, mixed: bool) -> None:
+    for r in pool.run(_kept_through_summon, mixed):
+        assert r["before"] > 0, r
+        assert r["during"] == (0 if mixed else r["before"]), r
+        assert r["same_grads"] and r["after"] == 0, r

@@ -302,26 +302,77 @@ def test_clip_grad_norm_on_an_inner_wrapper_is_refused_in_torchs_words(single_ra
     assert model.clip_grad_norm_(1.0) > 0  # (the root clips)
 
 
-def _torch_optimizer_in_backward(use_orig_params: bool) -> str:
+def _torch_optimizer_in_backward_flat() -> str:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
     model = FSDP(
-        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
-        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        use_orig_params=use_orig_params,
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
     )
     _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.03}, register_hook=False)
     return _error_of(lambda: model(torch.randn(2, 2)).sum().backward())
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_torchs_private_optimizer_in_backward_is_refused_at_the_forward(
-    pool: RankPool, use_orig_params: bool
-) -> None:
-    """torch's ``test_fsdp_optim_overlap_no_use_orig_params_error`` (its words), and the case torch
-    supports: refused at the forward with what to use instead, where autograd failed inside backward
-    (an invalid gradient for the shard-shaped node torch kept) or an internal assertion fired."""
-    for message in pool.run(_torch_optimizer_in_backward, use_orig_params):
+def test_torchs_private_optimizer_in_backward_on_flat_parameters_is_refused(pool: RankPool) -> None:
+    """torch's ``test_fsdp_optim_overlap_no_use_orig_params_error`` (its words): a flat parameter of
+    several originals cannot step with one optimizer per original; refused at the forward with what to
+    use instead."""
+    for message in pool.run(_torch_optimizer_in_backward_flat):
         assert "only supported with use_orig_params=True" in message, message
         assert "fsdp.optimizer_in_backward(model" in message, message
+
+
+def _torch_optimizer_in_backward_parity(offload: bool, register_hook: bool, strategy: str) -> list[int]:
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return FSDP(
+            nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=True,
+            sharding_strategy=getattr(torch_fsdp.ShardingStrategy, strategy),
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=offload),
+        )
+
+    usual, overlap = build(), build()
+    optim = torch.optim.SGD(usual.parameters(), lr=0.03, momentum=0.9)
+    _apply_optimizer_in_backward(
+        torch.optim.SGD, overlap.parameters(), {"lr": 0.03, "momentum": 0.9}, register_hook=register_hook
+    )
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    changed = []
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        before = [p.detach().clone() for p in overlap.parameters()]
+        usual(x).sum().backward()
+        overlap(x).sum().backward()  # each parameter steps here
+        assert all(p.grad is None for p in overlap.parameters()), "the gradients were not consumed"
+        assert all(h.sharded_grad is None for w in FSDP.fsdp_modules(overlap) for h in w._handles)
+        changed.append(sum(not torch.equal(b, p) for b, p in zip(before, overlap.parameters())))
+        optim.step()
+        optim.zero_grad()
+        for p, q in zip(usual.parameters(), overlap.parameters(), strict=True):
+            assert torch.equal(p, q), "the step in backward differs from the usual one"
+    return changed
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize(
+    ("offload", "register_hook", "strategy"),
+    [
+        (False, False, "FULL_SHARD"),
+        (True, False, "FULL_SHARD"),
+        (False, True, "SHARD_GRAD_OP"),
+        (False, False, "NO_SHARD"),
+    ],
+)
+def test_torchs_private_optimizer_in_backward_steps_like_the_usual_optimizer(
+    pool: RankPool, offload: bool, register_hook: bool, strategy: str
+) -> None:
+    """torch's ``test_fsdp_optimizer_overlap``: with ``use_orig_params=True`` the optimizers torch's
+    ``_apply_optimizer_in_backward`` attached step each parameter in backward, right after its gradient
+    is reduced, and free the gradient (torch's ``handle.sharded_grad`` None); the parameters equal those
+    of a usual optimizer's step, bit for bit, with CPU offload and with torch's own hook registered."""
+    for changed in pool.run(_torch_optimizer_in_backward_parity, offload, register_hook, strategy):
+        assert all(n > 0 for n in changed), changed  # (parameters stepped in every backward)

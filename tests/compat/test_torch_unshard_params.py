@@ -106,10 +106,10 @@ def _recurse(recurse: bool, unshard_outer: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("recurse", [False, True])
 @pytest.mark.parametrize("unshard_outer", [False, True])
 def test_recurse(pool: RankPool, recurse: bool, unshard_outer: bool) -> None:
-    # full flat parameters are padded to a multiple of the world size (15 -> 16, 25 -> 26), as torch's
-    # are with use_orig_params=True
-    outer = 16 if unshard_outer else 8
-    inner = 26 if recurse or not unshard_outer else 13
+    # a full flat parameter shows its original elements only (15, 25), as torch's does (with
+    # use_orig_params=True padded to the world size: test_torch_flat_param_attrs.py)
+    outer = 15 if unshard_outer else 8
+    inner = 25 if recurse or not unshard_outer else 13
     assert pool.run(_recurse, recurse, unshard_outer) == [(outer, inner)] * 2
 
 
