@@ -205,7 +205,7 @@ class FlatParamHandle(HandleGradients):
         self._make_full_buffers(padded)
         self.state = MemoryState.SHARDED
         self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
-        self._grad_acc = self._full_grad = None
+        self._grad_acc = self._full_grad = self._acc_shown = None
         self.grad_state = GradState.IDLE
         self.on_reduced = None  # (an optimizer in backward sets it on the handles it steps)
         self.saved_views = SavedViews(self)
@@ -267,6 +267,8 @@ class FlatParamHandle(HandleGradients):
         self._shard = data
         self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
         self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
+        if self._acc_shown is not None and self._acc_shown[2] and self.flat_param.grad is self._acc_shown[0]:
+            self.flat_param.grad = None  # (the chunk shown of the accumulator, which is converted below)
         grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
         unsynced = self.grad_state is GradState.UNSYNCED
         self._start_sharded()

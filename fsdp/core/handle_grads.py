@@ -66,8 +66,11 @@ model. The first backward outside the context adds its gradient to ``_grad_acc``
 the sum once, so k micro-batches cost one reduction, exactly like one large batch. The sum is kept in
 the master dtype and reduced in the dtype of the gradient it joins (the compute dtype under mixed
 precision, unless a reduce dtype is set), so the reduction moves the bytes of any other step.
-``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model; an
-optimizer's ``zero_grad()`` cannot see it. When the full
+``zero_grad()`` on the wrapper drops the accumulator, as it drops ``.grad`` in a plain model. So
+does an optimizer's ``zero_grad()`` (a window skipped after a bad loss): between backwards inside the
+context ``flat_param.grad`` is this rank's chunk of the accumulator, a view (or the shard gradient
+from before the context, when one was left); the next backward finds it set to None or zeroed and
+drops the accumulator, and refuses any other change, which could not reach the other chunks. When the full
 parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
 ``.grad`` directly and nothing needs to be kept. The price is memory: a full gradient per unit
 stays allocated inside the context (with ``keep_full_params``, every unit's full parameters too).
@@ -144,6 +147,9 @@ class HandleGradients:
     _saved_grad_shard: torch.Tensor | None  # (chunk,) gradient stashed during backward
     _pending: Pending | None  # REDUCING: the reduction of this backward, sent or queued
     _grad_acc: torch.Tensor | None  # UNSYNCED: (padded_numel,) gradients accumulated locally inside no_sync
+    # UNSYNCED between backwards: what .grad was left as (this rank's chunk of _grad_acc, or the shard
+    # gradient from before), its version, and whether it is the chunk. See [Note: no_sync]
+    _acc_shown: tuple[torch.Tensor, int, bool] | None
     # called with the handle when its gradient of this backward is REDUCED (fsdp.optimizer_in_backward);
     # the end of backward calls it again once the handle is resharded
     on_reduced: Callable[[Any], None] | None
@@ -184,6 +190,7 @@ class HandleGradients:
         Collective: a flag first, so that no gradient anywhere shows none, a rank without one adds
         zeros. ``show_grad`` then hangs its views on the shown parameters; ``release_grad`` ends it."""
         assert self._full_grad is None, "gradients gathered twice"
+        self._take_back_accumulated_grad()  # (inside no_sync: the gradient from before it is shown)
         if not self.requires_grad:
             self._full_grad = (None, None, [])
             return
@@ -265,8 +272,46 @@ class HandleGradients:
         self.flat_param.data = data
 
     # ------------------------------------------------------------------ gradients
+    def show_accumulated_grad(self) -> None:
+        """End of a backward that left the gradient accumulated (UNSYNCED): remember what ``.grad`` is
+        now, after setting it to this rank's chunk of the accumulator where it holds none or zeros. See
+        [Note: no_sync]."""
+        if self.grad_state is not GradState.UNSYNCED or self._grad_acc is None or self._acc_shown is not None:
+            return
+        grad = self.flat_param.grad
+        chunk = self._grad_acc.device == self._shard.device and self.low_grad_dtype is None
+        chunk = chunk and (grad is None or not bool(grad.count_nonzero()))  # (zeros add as none would)
+        if chunk:
+            grad = self.flat_param.grad = self._grad_acc[self.spec.start : self.spec.end]
+        if grad is not None:
+            self._acc_shown = (grad, grad._version, chunk)
+
+    def _take_back_accumulated_grad(self) -> None:
+        """Before ``.grad`` is used again: the chunk shown by :meth:`show_accumulated_grad` leaves it;
+        set to None or zeroed since (``zero_grad()``), the accumulator is dropped too."""
+        shown, self._acc_shown = self._acc_shown, None
+        if shown is None:
+            return
+        tensor, version, chunk = shown
+        grad = self.flat_param.grad
+        if grad is tensor and tensor._version == version:
+            if chunk:
+                self.flat_param.grad = None
+            return
+        if grad is not None and (grad is not tensor or bool(grad.count_nonzero())):
+            raise RuntimeError(
+                "FullyShardedDataParallel: a gradient was changed inside no_sync() between two backwards. There "
+                "a flat parameter's .grad is this rank's chunk of the gradients accumulated locally, so a change "
+                "cannot reach the rest of them; zero_grad() (to None or to zeros) is what works. Change gradients "
+                "after the backward outside no_sync(), which reduces them"
+            )
+        if chunk:  # (zeroed in place: none, which a gradient adds to as to zeros)
+            self.flat_param.grad = None
+        self.discard_accumulated_grad()
+
     def prepare_gradient_for_backward(self) -> None:
         """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
+        self._take_back_accumulated_grad()
         grad = self.flat_param.grad
         param = self.flat_param
         if grad is None or (
@@ -379,6 +424,10 @@ class HandleGradients:
 
     def discard_accumulated_grad(self) -> None:
         """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
+        shown, self._acc_shown = self._acc_shown, None
+        if shown is not None and shown[2] and self.flat_param.grad is shown[0]:  # (zeroed in place)
+            same = self.flat_param.shape == shown[0].shape
+            self.flat_param.grad = torch.zeros_like(shown[0]) if same else None
         self._grad_acc = None
         if self.grad_state is GradState.UNSYNCED:
             self._set_grad_state(GradState.IDLE)
@@ -412,6 +461,7 @@ class HandleGradients:
             # torch's keep_low_precision_grads: through .data, which (unlike .grad =) allows a dtype other
             # than the parameter's
             grad.data = grad.to(self.low_grad_dtype)
+        self.show_accumulated_grad()
 
     def _set_grad_state(self, state: GradState) -> None:
         """The one way the gradient state changes; checks the change and what each state holds."""

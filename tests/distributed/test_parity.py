@@ -162,3 +162,72 @@ def _unused_after_zeroed_grads(layout: str, accumulate: bool) -> float:
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "no_sync"])
 def test_a_parameter_unused_after_zeroed_gradients(pool: RankPool, layout: str, accumulate: bool) -> None:
     assert max(pool.run(_unused_after_zeroed_grads, layout, accumulate)) <= 1e-5
+
+
+def _skipped_window(strategy: str, zero: str) -> dict[str, object]:
+    """A gradient-accumulation loop that drops a window (a bad loss, say) with the optimizer's
+    ``zero_grad()`` between two backwards inside ``no_sync()``: what the window accumulated is gone, as
+    in torch DDP, bit for bit. Before the fix the wrapper's accumulator, which the optimizer could not
+    see, was added to the next window's gradients."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Linear(15, 33), nn.GELU(), nn.Sequential(nn.Linear(33, 7), nn.Tanh()), nn.Linear(7, 3)
+    )
+    kw = {"sharding_strategy": ShardingStrategy[strategy]}
+    model = copy.deepcopy(ref)
+    model[2] = FSDP(model[2], **kw)
+    model = FSDP(model, **kw)
+    peer = nn.parallel.DistributedDataParallel(ref)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, peer)]
+    shown = []
+    for step in range(3):
+        for micro in range(3):
+            x = torch.randn(6, 15, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+            for m, opt in zip((model, peer), opts):
+                if micro < 2:
+                    with m.no_sync():
+                        m(x).pow(2).mean().backward()
+                    if m is model:
+                        shown.append(
+                            all(p.grad is not None and p.grad.shape == p.shape for p in m.parameters())
+                        )
+                    if step == 1 and micro == 0:  # the window is dropped here
+                        opt.zero_grad(set_to_none=zero == "none")
+                else:
+                    m(x).pow(2).mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=zero == "none")
+    ours, theirs = model.state_dict(), ref.state_dict()
+    with model.no_sync():
+        model(torch.randn(6, 15)).sum().backward()
+    for p in model.parameters():
+        p.grad.mul_(2)  # (sharded: scaling a part of what was accumulated cannot reach the rest, refused)
+    try:
+        model(torch.randn(6, 15)).sum().backward()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return {
+        "params_equal": list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs),
+        "shown": shown,
+        "refused": refused,
+    }
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("zero", ["none", "zeros"])
+def test_zero_grad_inside_no_sync_drops_what_was_accumulated(
+    pool: RankPool, strategy: str, zero: str
+) -> None:
+    for r in pool.run(_skipped_window, strategy, zero):
+        assert r["params_equal"], r
+        assert r["shown"] and all(r["shown"]), "between backwards inside no_sync .grad shows the accumulation"
+        if (
+            strategy == "NO_SHARD"
+        ):  # (the full gradient is the shard's: autograd accumulates on .grad, as DDP)
+            assert r["refused"] == "", r["refused"]
+        else:
+            assert "changed inside no_sync() between two backwards" in r["refused"], r["refused"]
