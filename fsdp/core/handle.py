@@ -206,6 +206,7 @@ class FlatParamHandle(HandleGradients):
         self.state = MemoryState.SHARDED
         self._saved_grad_shard = self._pending = self._gathering = self.rs_bucketer = None
         self._grad_acc = self._full_grad = self._acc_shown = None
+        self._acc_hidden = False
         self.grad_state = GradState.IDLE
         self.on_reduced = None  # (an optimizer in backward sets it on the handles it steps)
         self.saved_views = SavedViews(self)

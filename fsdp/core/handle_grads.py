@@ -70,7 +70,10 @@ precision, unless a reduce dtype is set), so the reduction moves the bytes of an
 does an optimizer's ``zero_grad()`` (a window skipped after a bad loss): between backwards inside the
 context ``flat_param.grad`` is this rank's chunk of the accumulator, a view (or the shard gradient
 from before the context, when one was left); the next backward finds it set to None or zeroed and
-drops the accumulator, and refuses any other change, which could not reach the other chunks. When the full
+drops the accumulator, and refuses any other change, which could not reach the other chunks. A
+backward that raised inside the context had taken some units' chunks off ``.grad`` already (before
+autograd adds into it); a ``zero_grad()`` after it reaches the others', and the root's next forward
+then drops the hidden ones too (``clear_aborted_backward``). When the full
 parameter is the shard itself (world size 1, NO_SHARD without casting), autograd accumulates into
 ``.grad`` directly and nothing needs to be kept. The price is memory: a full gradient per unit
 stays allocated inside the context (with ``keep_full_params``, every unit's full parameters too).
@@ -150,6 +153,7 @@ class HandleGradients:
     # UNSYNCED between backwards: what .grad was left as (this rank's chunk of _grad_acc, or the shard
     # gradient from before), its version, and whether it is the chunk. See [Note: no_sync]
     _acc_shown: tuple[torch.Tensor, int, bool] | None
+    _acc_hidden: bool  # the chunk shown was taken off .grad by this backward's pre-backward (still UNSYNCED)
     # called with the handle when its gradient of this backward is REDUCED (fsdp.optimizer_in_backward);
     # the end of backward calls it again once the handle is resharded
     on_reduced: Callable[[Any], None] | None
@@ -276,6 +280,7 @@ class HandleGradients:
         """End of a backward that left the gradient accumulated (UNSYNCED): remember what ``.grad`` is
         now, after setting it to this rank's chunk of the accumulator where it holds none or zeros. See
         [Note: no_sync]."""
+        self._acc_hidden = False
         if self.grad_state is not GradState.UNSYNCED or self._grad_acc is None or self._acc_shown is not None:
             return
         grad = self.flat_param.grad
@@ -297,6 +302,7 @@ class HandleGradients:
         if grad is tensor and tensor._version == version:
             if chunk:
                 self.flat_param.grad = None
+                self._acc_hidden = True
             return
         if grad is not None and (grad is not tensor or bool(grad.count_nonzero())):
             raise RuntimeError(
@@ -354,6 +360,8 @@ class HandleGradients:
                 self._grad_acc = acc if self._grad_acc is None else self._grad_acc.add_(acc)
             self._set_grad_state(GradState.UNSYNCED)
             self.reshard(free_full=not keep_full)
+            if self._saved_grad_shard is None:  # (shown now: a zero_grad() after a backward that raises
+                self.show_accumulated_grad()  # later reaches it; with a stash, at the end of backward)
             return
         self.flat_param.grad = None
         if self._grad_acc is not None:  # the sum is reduced in the dtype a plain backward reduces in
@@ -422,8 +430,19 @@ class HandleGradients:
                     "gets a gradient"
                 )
 
+    def accumulation_dropped(self) -> bool:
+        """Its chunk shown on ``.grad`` was set to None or zeroed since (a ``zero_grad()``)."""
+        shown = self._acc_shown
+        if shown is None:
+            return False
+        grad = self.flat_param.grad
+        return grad is None or (
+            grad is shown[0] and grad._version != shown[1] and not bool(grad.count_nonzero())
+        )
+
     def discard_accumulated_grad(self) -> None:
         """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
+        self._acc_hidden = False
         shown, self._acc_shown = self._acc_shown, None
         if shown is not None and shown[2] and self.flat_param.grad is shown[0]:  # (zeroed in place)
             same = self.flat_param.shape == shown[0].shape
@@ -446,7 +465,8 @@ class HandleGradients:
         self._pending = self._grad_copy = None
         if self.grad_state in (GradState.REDUCING, GradState.BUCKETED, GradState.COPYING):
             self._set_grad_state(GradState.IDLE)
-        if self.grad_state is not GradState.REDUCED:  # (.grad: autograd's full sum, or nothing new)
+        shown = self._acc_shown is not None and self.flat_param.grad is self._acc_shown[0]
+        if self.grad_state is not GradState.REDUCED and not shown:  # (autograd's full sum, or nothing new)
             self.flat_param.grad = self._saved_grad_shard
         self._saved_grad_shard = None
 

@@ -139,6 +139,13 @@ def clear_aborted_backward(ctx: RootContext[Any]) -> None:
     ctx.callback_queued = False
     if ctx.bucketer is not None and ctx.bucketer._active:
         ctx.bucketer.abort()  # (waits for its launched all-reduces first)
+    handles = [h for w in ctx.wrappers for h in w.handles]
+    # inside no_sync(): the stopped backward took some units' accumulations off .grad, so a zero_grad()
+    # since could not reach them; it did reach the others', and then drops theirs too (See [Note: no_sync])
+    if any(h.accumulation_dropped() for h in handles if not h._acc_hidden):
+        for h in handles:
+            if h._acc_hidden:
+                h.discard_accumulated_grad()
     for w in ctx.wrappers:
         for h in w.handles:
             h.reshard(free_full=True)

@@ -4,6 +4,7 @@ that raises before its end. See [Note: gradient state] in fsdp/core/handle.py.""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -112,9 +113,10 @@ def test_a_backward_that_raises_before_its_end_leaves_every_state_idle(pool: Ran
 
 
 # ---------------------------------------------------------------------- a backward that raised
-def _aborted_backward(where: str, strategy: str) -> dict[str, Any]:
+def _aborted_backward(where: str, strategy: str, accumulate: bool = False) -> dict[str, Any]:
     """A backward that a tensor hook stops (as a caught out-of-memory error in backward would): after
-    zero_grad() the next steps train exactly as if that step had not happened."""
+    zero_grad() the next steps train exactly as if that step had not happened; with ``accumulate``,
+    the stopped backward is inside ``no_sync()``, after one that finished there."""
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -133,13 +135,17 @@ def _aborted_backward(where: str, strategy: str) -> dict[str, Any]:
     def boom(grad: torch.Tensor) -> torch.Tensor:
         raise ValueError("stopped in backward")
 
-    hidden = failed.module[1](failed.module[0](x))  # (the first unit's output: its backward comes last)
-    out = failed.module[4](failed.module[3](failed.module[2](hidden)))
-    (out if where == "output" else hidden).register_hook(boom)
-    try:
-        out.sum().backward()
-    except ValueError as e:
-        stop["error"] = str(e)
+    window = failed.no_sync() if accumulate else contextlib.nullcontext()
+    with window:
+        if accumulate:
+            failed(x).sum().backward()
+        hidden = failed.module[1](failed.module[0](x))  # (the first unit's output: its backward comes last)
+        out = failed.module[4](failed.module[3](failed.module[2](hidden)))
+        (out if where == "output" else hidden).register_hook(boom)
+        try:
+            out.sum().backward()
+        except ValueError as e:
+            stop["error"] = str(e)
     opt.zero_grad()
     reference, ref_opt = build()
     with warnings.catch_warnings(record=True) as caught:
@@ -161,9 +167,10 @@ def _aborted_backward(where: str, strategy: str) -> dict[str, Any]:
 @pytest.mark.parametrize("pool", [2], indirect=True)
 @pytest.mark.parametrize("where", ["output", "between units"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["", "no_sync"])
 def test_training_goes_on_exactly_after_a_backward_that_raised(
-    pool: RankPool, where: str, strategy: str
+    pool: RankPool, where: str, strategy: str, accumulate: bool
 ) -> None:
-    for r in pool.run(_aborted_backward, where, strategy):
+    for r in pool.run(_aborted_backward, where, strategy, accumulate):
         assert r["stopped"] == "stopped in backward"
         assert r["warned"] and r["same"], r
