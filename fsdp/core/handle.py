@@ -268,7 +268,7 @@ class FlatParamHandle(HandleGradients):
         self._shard = data
         self.meta = dataclasses.replace(self.meta, dtype=data.dtype)
         self.compute_dtype = param_dtype if param_dtype is not None else data.dtype
-        if self._acc_shown is not None and self._acc_shown[2] and self.flat_param.grad is self._acc_shown[0]:
+        if self.chunk_shown_on_grad():
             self.flat_param.grad = None  # (the chunk shown of the accumulator, which is converted below)
         grad_acc = self._grad_acc  # (accumulated in no_sync and not reduced yet: converted alike)
         unsynced = self.grad_state is GradState.UNSYNCED

@@ -294,17 +294,18 @@ class HandleGradients:
     def _take_back_accumulated_grad(self) -> None:
         """Before ``.grad`` is used again: the chunk shown by :meth:`show_accumulated_grad` leaves it;
         set to None or zeroed since (``zero_grad()``), the accumulator is dropped too."""
-        shown, self._acc_shown = self._acc_shown, None
+        shown = self._acc_shown
         if shown is None:
             return
         tensor, version, chunk = shown
-        grad = self.flat_param.grad
-        if grad is tensor and tensor._version == version:
+        if self.flat_param.grad is tensor and tensor._version == version:
+            self._acc_shown = None
             if chunk:
                 self.flat_param.grad = None
                 self._acc_hidden = True
             return
-        if grad is not None and (grad is not tensor or bool(grad.count_nonzero())):
+        if not self.accumulation_dropped():
+            self._acc_shown = None
             raise RuntimeError(
                 "FullyShardedDataParallel: a gradient was changed inside no_sync() between two backwards. There "
                 "a flat parameter's .grad is this rank's chunk of the gradients accumulated locally, so a change "
@@ -314,6 +315,11 @@ class HandleGradients:
         if chunk:  # (zeroed in place: none, which a gradient adds to as to zeros)
             self.flat_param.grad = None
         self.discard_accumulated_grad()
+
+    def chunk_shown_on_grad(self) -> bool:
+        """``.grad`` is the view of the accumulator :meth:`show_accumulated_grad` set."""
+        shown = self._acc_shown
+        return shown is not None and shown[2] and self.flat_param.grad is shown[0]
 
     def prepare_gradient_for_backward(self) -> None:
         """Stash a shard-shaped ``.grad`` so autograd can accumulate a full one. See [Note: gradient stash]."""
@@ -430,6 +436,12 @@ class HandleGradients:
                     "gets a gradient"
                 )
 
+    def reduced_onto_shard(self) -> bool:
+        """A gradient is on the shard and the shard is ``flat_param.data`` again (resharded): what an
+        optimizer in backward steps (``on_reduced``)."""
+        p = self.flat_param
+        return p.grad is not None and p.requires_grad and p.data.data_ptr() == self._shard.data_ptr()
+
     def accumulation_dropped(self) -> bool:
         """Its chunk shown on ``.grad`` was set to None or zeroed since (a ``zero_grad()``)."""
         shown = self._acc_shown
@@ -443,10 +455,11 @@ class HandleGradients:
     def discard_accumulated_grad(self) -> None:
         """Forget the gradients accumulated inside ``no_sync`` (``zero_grad()`` of the wrapper)."""
         self._acc_hidden = False
-        shown, self._acc_shown = self._acc_shown, None
-        if shown is not None and shown[2] and self.flat_param.grad is shown[0]:  # (zeroed in place)
-            same = self.flat_param.shape == shown[0].shape
-            self.flat_param.grad = torch.zeros_like(shown[0]) if same else None
+        if self.chunk_shown_on_grad():  # (zeroed in place: zeros of its own, not a view of what is dropped)
+            chunk = self.flat_param.grad
+            assert chunk is not None
+            self.flat_param.grad = torch.zeros_like(chunk) if self.flat_param.shape == chunk.shape else None
+        self._acc_shown = None
         self._grad_acc = None
         if self.grad_state is GradState.UNSYNCED:
             self._set_grad_state(GradState.IDLE)

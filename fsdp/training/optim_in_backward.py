@@ -96,10 +96,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """The handle's gradient of this backward is reduced: step now if the shard is the parameter's
         data (resharded); the end of backward calls again once it is."""
         p = handle.flat_param
-        if p.grad is None or p not in self._inner or not p.requires_grad:
-            return
-        if p.data.data_ptr() != handle.sharded_data().data_ptr():
-            return  # (the full parameter is still shown: stepped at the end of backward)
+        if p not in self._inner or not handle.reduced_onto_shard():
+            return  # (none, or the full parameter still shown: stepped at the end of backward)
         with torch.no_grad():
             self._step_one(p)
 

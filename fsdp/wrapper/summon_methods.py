@@ -169,12 +169,9 @@ class SummonMethods(WrapperMixin):
                 h.reshard(free_full=i not in self._summon_kept)
                 continue
             h.use_full_views(as_parameters=True)
-            if (
-                self.fsdp_config.sharding.flatten_parameters
-            ):  # torch FSDP1's unpadded flat parameter while shown
-                h.flat_param.data = h.flat_param.data[
-                    : h.meta.numel
-                ]  # (one per original: padded, as torch's)
+            # torch FSDP1's flat parameter while shown: unpadded (one per original: padded, as torch's)
+            if self.fsdp_config.sharding.flatten_parameters:
+                h.flat_param.data = h.flat_param.data[: h.meta.numel]
             if with_grads:
                 h.show_grad()
         if not show:

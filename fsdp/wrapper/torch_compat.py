@@ -519,10 +519,8 @@ def _step_torch_optimizers(handle: Any) -> None:
     """``on_reduced`` of a handle whose flat parameter carries torch's ``_in_backward_optimizers``: step
     them once the reduced gradient is on the shard, then free the gradient."""
     p = handle.flat_param
-    if p.grad is None or not p.requires_grad:
-        return
-    if p.data.data_ptr() != handle.sharded_data().data_ptr():
-        return  # (the full parameter is still shown: called again at the end of backward)
+    if not handle.reduced_onto_shard():
+        return  # (none, or the full parameter still shown: called again at the end of backward)
     with torch.no_grad():
         for optimizer in p._in_backward_optimizers:
             optimizer.step()
